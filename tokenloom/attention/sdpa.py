@@ -1,0 +1,119 @@
+"""Fast attention on torch's fused scaled_dot_product_attention (CPU flash kernel; also runs on CUDA).
+
+Decode tokens (one query each) are batched into one SDPA call over their gathered, padded contexts.
+A prefill with no earlier context attends to its own fresh K/V with the built-in causal mask; a
+prefill chunk that continues a sequence gathers its context from the cache with an offset causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenloom.attention.base import AttentionBackend, AttentionMetadata, gather_kv, write_kv
+
+
+@dataclass
+class _Prefill:
+    start: int
+    end: int
+    ctx: int
+    blocks: torch.Tensor | None  # None when the chunk is the whole context (read fresh K/V)
+    mask: torch.Tensor | None  # (q_len, ctx) bool, True = attend; None = plain causal
+
+
+@dataclass
+class _Plan:
+    decode_tokens: torch.Tensor | None  # (B,) token index of each decoding sequence
+    decode_blocks: torch.Tensor | None  # (B, max_blocks)
+    decode_mask: torch.Tensor | None  # (B, 1, 1, max_blocks * block_size) bool
+    all_decode: bool  # every token of the batch is a decode, in order: skip the index ops
+    prefills: list[_Prefill]
+
+
+class SDPABackend(AttentionBackend):
+    name = "sdpa"
+
+    def plan(self, meta: AttentionMetadata, device: torch.device, sliding_window: int | None) -> _Plan:
+        bs = meta.block_size
+        dec_rows: list[int] = []
+        prefills: list[_Prefill] = []
+        for i in range(meta.num_seqs):
+            start, end, ctx = meta.query_start_loc[i], meta.query_start_loc[i + 1], meta.seq_lens[i]
+            q_len = end - start
+            if q_len == 1:
+                dec_rows.append(i)
+                continue
+            if ctx == q_len and sliding_window is None:
+                prefills.append(_Prefill(start, end, ctx, None, None))
+                continue
+            q_pos = torch.arange(ctx - q_len, ctx, device=device)[:, None]
+            k_pos = torch.arange(ctx, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+            blocks = meta.block_tables[i, : (ctx + bs - 1) // bs]
+            prefills.append(_Prefill(start, end, ctx, blocks if ctx > q_len else None, mask))
+        if not dec_rows:
+            return _Plan(None, None, None, False, prefills)
+        rows = torch.tensor(dec_rows, device=device)
+        ctx_lens = torch.tensor([meta.seq_lens[i] for i in dec_rows], device=device)
+        max_blocks = (int(ctx_lens.max()) + bs - 1) // bs
+        k_pos = torch.arange(max_blocks * bs, device=device)[None, :]
+        mask = k_pos < ctx_lens[:, None]  # (B, L)
+        if sliding_window is not None:
+            mask &= k_pos > ctx_lens[:, None] - 1 - sliding_window
+        tokens = torch.tensor([meta.query_start_loc[i] for i in dec_rows], device=device)
+        return _Plan(
+            decode_tokens=tokens,
+            decode_blocks=meta.block_tables[rows, :max_blocks],
+            decode_mask=mask[:, None, None, :],
+            all_decode=not prefills,
+            prefills=prefills,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        plan: _Plan = meta.plan
+        if plan is None:
+            plan = meta.plan = self.plan(meta, q.device, sliding_window)
+        num_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
+        group = num_heads // num_kv_heads
+        out = q.new_empty(q.shape)
+        if plan.decode_tokens is not None:
+            qd = q if plan.all_decode else q[plan.decode_tokens]  # (B, Hq, D)
+            batch = qd.shape[0]
+            # Grouped-query trick: the `group` query heads sharing a KV head act as `group` queries of it.
+            qd = qd.view(batch, num_kv_heads, group, head_dim)
+            keys = k_cache[plan.decode_blocks].flatten(1, 2).transpose(1, 2)  # (B, Hkv, L, D)
+            vals = v_cache[plan.decode_blocks].flatten(1, 2).transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=plan.decode_mask, scale=scale)
+            od = od.reshape(batch, num_heads, head_dim)
+            if plan.all_decode:
+                return od
+            out[plan.decode_tokens] = od
+        for p in plan.prefills:
+            qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # (1, Hq, q_len, D)
+            if p.blocks is None:
+                kp, vp = k[p.start : p.end], v[p.start : p.end]  # (q_len, Hkv, D) fresh
+            else:
+                kp, vp = gather_kv(k_cache, p.blocks, p.ctx), gather_kv(v_cache, p.blocks, p.ctx)
+            kp = kp.transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
+            vp = vp.transpose(0, 1).unsqueeze(0)
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=group > 1
+            )
+            out[p.start : p.end] = op.squeeze(0).transpose(0, 1)
+        return out

@@ -1,0 +1,190 @@
+"""`tokenloom bench offline`: the engine against transformers on the same model, dtype and machine.
+
+(a) single-stream decode tokens/s and the fraction of memory bandwidth it achieves,
+(b) output throughput for 64 prompts of 128 tokens generating 128 tokens each
+    (transformers: padded static batches of --hf-batch-size),
+(c) prefill tokens/s for one 2,000-token prompt.
+Each figure is the median of --repeats runs, measured in one process, one system after the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenloom.cli import add_engine_args, engine_config
+
+
+def add_offline_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--batch-prompts", type=int, default=64)
+    p.add_argument("--batch-input-len", type=int, default=128)
+    p.add_argument("--batch-output-len", type=int, default=128)
+    p.add_argument("--prefill-len", type=int, default=2000)
+    p.add_argument("--hf-batch-size", type=int, default=64, help="static batch size for transformers in (b)")
+    p.add_argument("--skip-hf", action="store_true", help="measure tokenloom only")
+    p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+
+
+def median_of(repeats: int, fn: Callable[[], float]) -> float:
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Read+write bytes per second of a large tensor copy (the achievable memory bandwidth)."""
+    a = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - t)
+    return 2 * nbytes / min(times) / 1e9
+
+
+def exact_prompts(tokenizer: Any, n: int, length: int, vocab: int) -> list[list[int]]:
+    """n distinct prompts of exactly `length` tokens, cut from real-looking text."""
+    text = (
+        "The history of computing is a story of people who wanted answers faster than they could work them out. "
+        "Engines of brass gave way to valves, valves to transistors, and transistors to chips of silicon. "
+    )
+    base = tokenizer.encode(text * (length // 20 + 2), add_special_tokens=False)
+    return [[(t + i) % vocab for t in base[:length]] if i else base[:length] for i in range(n)]
+
+
+class TokenloomRunner:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from tokenloom.llm import LLM
+
+        self.llm = LLM(**engine_config(args).__dict__)
+        eng = self.llm.engine
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in eng.loaded.model.parameters())
+        self.vocab = eng.model_config.vocab_size
+
+    def decode(self, prompt: list[int], n: int) -> float:
+        from tokenloom.sampling_params import SamplingParams
+
+        first = None
+        count = 0
+        for d in self.llm.stream(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)):
+            count += len(d.token_ids)
+            if first is None:
+                first = time.perf_counter()
+        if first is None or count < 2:
+            raise RuntimeError("decode benchmark produced fewer than two tokens")
+        return (count - 1) / (time.perf_counter() - first)
+
+    def throughput(self, prompts: list[list[int]], n: int) -> float:
+        from tokenloom.sampling_params import SamplingParams
+
+        t = time.perf_counter()
+        outs = self.llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        el = time.perf_counter() - t
+        return sum(len(o.outputs[0].token_ids) for o in outs) / el
+
+    def prefill(self, prompt: list[int]) -> float:
+        from tokenloom.sampling_params import SamplingParams
+
+        t = time.perf_counter()
+        self.llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+        return len(prompt) / (time.perf_counter() - t)
+
+
+class HFRunner:
+    def __init__(self, path: Path, dtype: torch.dtype) -> None:
+        import transformers
+
+        kw: dict[str, Any] = {"dtype": dtype}
+        if path.is_file():
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kw)
+        else:
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(path, **kw)
+        self.model.eval()
+
+    @torch.inference_mode()
+    def _gen(self, ids: torch.Tensor, n: int, mask: torch.Tensor | None = None) -> float:
+        t = time.perf_counter()
+        self.model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                            pad_token_id=0)
+        return time.perf_counter() - t
+
+    def decode(self, prompt: list[int], n: int) -> float:
+        ids = torch.tensor([prompt])
+        return (n - 1) / (self._gen(ids, n) - self._gen(ids, 1))
+
+    def throughput(self, prompts: list[list[int]], n: int, batch: int) -> float:
+        total = 0.0
+        for i in range(0, len(prompts), batch):
+            chunk = torch.tensor(prompts[i : i + batch])  # equal lengths: the static batch has no padding
+            total += self._gen(chunk, n, torch.ones_like(chunk))
+        return len(prompts) * n / total
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int]) -> float:
+        t = time.perf_counter()
+        self.model(torch.tensor([prompt]))
+        return len(prompt) / (time.perf_counter() - t)
+
+
+def run_offline_bench(args: argparse.Namespace) -> int:
+    r = args.repeats
+    tl = TokenloomRunner(args)
+    eng = tl.llm.engine
+    tok = tl.llm.tokenizer
+    short = exact_prompts(tok, 1, 16, tl.vocab)[0]
+    batch = exact_prompts(tok, args.batch_prompts, args.batch_input_len, tl.vocab)
+    long_prompt = exact_prompts(tok, 1, args.prefill_len, tl.vocab)[0]
+    bw = copy_bandwidth_gbs()
+    print(f"model {eng.model_name} ({eng.loaded.dtype}), weights {tl.weight_bytes / 1e6:.0f} MB, "
+          f"threads {torch.get_num_threads()}, copy bandwidth {bw:.1f} GB/s")
+    print(eng.capacity.describe())
+    tl.decode(short, 16)  # warm-up
+    res: dict[str, dict[str, float]] = {"tokenloom": {}, "transformers": {}}
+    t = res["tokenloom"]
+    t["decode_tok_s"] = median_of(r, lambda: tl.decode(short, args.decode_tokens))
+    t["batch_out_tok_s"] = median_of(r, lambda: tl.throughput(batch, args.batch_output_len))
+    t["prefill_tok_s"] = median_of(r, lambda: tl.prefill(long_prompt))
+    t["decode_bandwidth_fraction"] = tl.weight_bytes * t["decode_tok_s"] / (bw * 1e9)
+    del tl
+    if not args.skip_hf:
+        hf = HFRunner(eng.loaded.path, eng.loaded.dtype)
+        hf.decode(short, 8)
+        h = res["transformers"]
+        h["decode_tok_s"] = median_of(r, lambda: hf.decode(short, args.decode_tokens))
+        h["batch_out_tok_s"] = median_of(r, lambda: hf.throughput(batch, args.batch_output_len, args.hf_batch_size))
+        h["prefill_tok_s"] = median_of(r, lambda: hf.prefill(long_prompt))
+    _print_table(res, args)
+    if args.out:
+        meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                "copy_bandwidth_gbs": bw, "date": time.strftime("%Y-%m-%d"), "repeats": r}
+        args.out.write_text(json.dumps({"meta": meta, "results": res}, indent=2))
+    return 0
+
+
+def _print_table(res: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
+    t, h = res["tokenloom"], res["transformers"]
+    rows = [
+        ("(a) single-stream decode, tok/s", "decode_tok_s"),
+        (f"(b) {args.batch_prompts}x{args.batch_input_len}->{args.batch_output_len} output tok/s", "batch_out_tok_s"),
+        (f"(c) prefill {args.prefill_len} tokens, tok/s", "prefill_tok_s"),
+    ]
+    print(f"\n| figure (median of {args.repeats}) | tokenloom | transformers | ratio |")
+    print("|---|---:|---:|---:|")
+    for label, key in rows:
+        hv = h.get(key)
+        ratio = f"{t[key] / hv:.2f}x" if hv else "-"
+        print(f"| {label} | {t[key]:.1f} | {hv:.1f} | {ratio} |" if hv else f"| {label} | {t[key]:.1f} | - | - |")
+    print(f"\n(a) reads {t['decode_bandwidth_fraction'] * 100:.0f}% of the measured copy bandwidth "
+          f"(weight bytes per step / step time, against the copy's bytes read + written per second)")
+    print(f"(b) / (a) = {t['batch_out_tok_s'] / t['decode_tok_s']:.1f}x the single-stream rate")

@@ -1,0 +1,111 @@
+"""The `tokenloom` command: generate (stream one answer), bench offline (engine vs transformers)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import fields
+
+from tokenloom.config import EngineConfig
+from tokenloom.errors import TokenloomError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Every EngineConfig field as a --flag of the same name (underscores become dashes)."""
+    d = EngineConfig()
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV budget: bytes (2GiB, 512MB) or fraction of free memory (0.3)")
+    g.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens per sequence")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="max sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget per step")
+    g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "sdpa", "reference"])
+    g.add_argument("--seed", type=int, default=d.seed, help="sampler seed for requests without their own")
+    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tokenloom.llm import LLM
+    from tokenloom.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed_request,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop or ()),
+    )
+    llm = LLM(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+    print(llm.engine.capacity.describe(), file=sys.stderr)
+    if args.raw:
+        stream = llm.stream(args.prompt, params)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        stream = llm.stream_chat(messages, params)
+    for delta in stream:
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _bench_offline(args: argparse.Namespace) -> int:
+    from tokenloom.bench.offline import run_offline_bench
+
+    return run_offline_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenloom", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="stream an answer to one prompt (through the chat template)")
+    gen.add_argument("prompt")
+    gen.add_argument("--raw", action="store_true", help="complete the text as is, without the chat template")
+    gen.add_argument("--system", default=None, help="system message")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--request-seed", dest="seed_request", type=int, default=None, help="seed of this request")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    off = bsub.add_parser("offline", help="engine vs transformers: decode, batch throughput, prefill")
+    from tokenloom.bench.offline import add_offline_args
+
+    add_offline_args(off)
+    off.set_defaults(func=_bench_offline)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except TokenloomError as e:
+        print(f"tokenloom: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Engine configuration: one frozen dataclass, the same names as the CLI flags (--max-num-seqs, ...)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tokenloom.errors import ConfigError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF folder or .gguf file; None = embedded SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory: str = "2GiB"  # bytes ("2GiB", "512MB", "1000000") or a fraction of free memory ("0.3")
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    max_num_seqs: int = 128  # sequences in one step
+    max_num_batched_tokens: int = 512  # tokens in one step: decodes + prefill chunks
+    attention_backend: str = "auto"  # auto | sdpa | reference
+    seed: int = 0  # seeds the sampler of requests that bring no seed of their own
+    num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= --max-num-seqs "
+                f"({self.max_num_seqs}) so that every running sequence can decode each step"
+            )
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ConfigError(f"--max-model-len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"--num-threads must be >= 1, got {self.num_threads!r}")
+        parse_memory(self.kv_cache_memory)  # validates early
+
+
+def parse_memory(spec: str | int | float) -> tuple[int | None, float | None]:
+    """'2GiB' -> (2147483648, None); '0.3' -> (None, 0.3). Exactly one of the two is set."""
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        spec = str(spec)
+    if not isinstance(spec, str):
+        raise ConfigError(f"--kv-cache-memory must be bytes or a fraction, got {spec!r}")
+    m = _SIZE.match(spec)
+    if m is None:
+        raise ConfigError(f"--kv-cache-memory: cannot parse {spec!r} (try 2GiB, 512MB or 0.3)")
+    number, unit = float(m.group(1)), (m.group(2) or "").upper().rstrip("B")
+    if not unit and number < 1.0:
+        if number <= 0:
+            raise ConfigError(f"--kv-cache-memory fraction must be in (0, 1), got {spec!r}")
+        return None, number
+    if unit not in _UNITS:
+        raise ConfigError(f"--kv-cache-memory: unknown unit in {spec!r}")
+    return int(number * _UNITS[unit]), None

@@ -1,0 +1,263 @@
+"""LLMEngine: requests in, one step at a time: schedule -> run the model -> sample -> stream deltas out.
+
+Synchronous and single-threaded; the offline `LLM` drives it in a loop and the HTTP server runs the
+same loop in its own thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenloom.attention.base import get_backend
+from tokenloom.config import EngineConfig
+from tokenloom.engine.kv_cache import KVCacheSpec, allocate_kv_cache, plan_capacity
+from tokenloom.engine.kv_cache_manager import KVCacheManager
+from tokenloom.engine.output_processor import append_tokens, take_delta
+from tokenloom.engine.runner import ModelRunner
+from tokenloom.engine.sampler import Sampler
+from tokenloom.engine.scheduler import Scheduler, SchedulerConfig
+from tokenloom.engine.sequence import Sequence, SequenceStatus
+from tokenloom.errors import ConfigError, ContextTooLong, InvalidRequest
+from tokenloom.models.loader import LoadedModel, load_model
+from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+log = logging.getLogger("tokenloom.engine")
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival: float
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (recomputation after preemption included)
+    generated_tokens: int = 0
+    finished_requests: dict[str, int] = field(default_factory=dict)  # by finish reason
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: torch sees no CUDA device")
+    return dev
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.backend = get_backend(config.attention_backend)
+        self.loaded: LoadedModel = load_model(config.model, config.dtype, self.device, self.backend, config.max_model_len)
+        mcfg = self.loaded.config
+        self.model_config = mcfg
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        if self.max_model_len > mcfg.max_position_embeddings and mcfg.rope_scaling.kind in ("default", "dynamic"):
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{mcfg.max_position_embeddings}"
+            )
+        spec = KVCacheSpec.for_model(mcfg, config.block_size, self.loaded.dtype)
+        self.capacity = plan_capacity(spec, config.kv_cache_memory, self.device, self.max_model_len)
+        self.kv = KVCacheManager(self.capacity.num_blocks, config.block_size)
+        kv_tensors = allocate_kv_cache(spec, self.capacity.num_blocks, self.device)
+        self.runner = ModelRunner(self.loaded.model, kv_tensors, config.block_size, self.backend, self.device)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
+        )
+        self.sampler = Sampler(config.seed, self.device)
+        self.requests: dict[str, _Request] = {}
+        self.stats = EngineStats()
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
+        self._stop_ids = frozenset(self.tokenizer.stop_token_ids)
+        log.info(
+            "loaded %s (%s, %s) in %.2fs on %s; %s",
+            self.loaded.name, mcfg.architecture, str(self.loaded.dtype).removeprefix("torch."),
+            self.loaded.load_seconds, self.device, self.capacity.describe(),
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self.loaded.name
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Checks the prompt against the model; returns the resolved max_tokens."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequest("prompt must not be empty", "prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt")
+        if n >= self.max_model_len:
+            raise ContextTooLong(
+                f"prompt has {n} tokens; max_model_len is {self.max_model_len} and at least one token must be "
+                f"generated", "prompt",
+            )
+        room = self.max_model_len - n
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequest(f"priority must be an integer, got {priority!r}", "priority")
+        max_tokens = self.validate_prompt(prompt_token_ids, params)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._stop_ids)
+        now = time.monotonic()
+        seqs = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(params.seed + i)  # the i-th completion of n gets its own stream
+            seq = Sequence(
+                seq_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                request_id=request_id,
+                index=i,
+                prompt_token_ids=list(prompt_token_ids),
+                params=params,
+                max_tokens=max_tokens,
+                stop_token_ids=stop_ids,
+                arrival_order=next(self._arrivals),
+                priority=priority,
+                generator=gen,
+            )
+            seq.times.arrival = now
+            seqs.append(seq)
+        self.requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), params, seqs, now)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks. Returns its final (delta) output, None if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        outs = []
+        for seq in req.seqs:
+            if not seq.status.finished:
+                seq.finish_reason = "abort"
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+            delta = take_delta(seq, True)
+            if delta is not None:
+                outs.append(delta)
+        return self._request_output(req, outs, finished=True)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns delta outputs of every request that produced something."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        t0 = time.monotonic()
+        for seq in batch.seqs:
+            if seq.times.first_scheduled is None:
+                seq.times.first_scheduled = t0
+        rows, logits = self.runner.execute(batch)
+        results = self.sampler(logits, [batch.seqs[r] for r in rows]) if logits is not None else []
+        t1 = time.monotonic()
+        self.stats.steps += 1
+        step_time = t1 - t0
+        touched: dict[str, _Request] = {}
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            prefilling = seq.num_computed_tokens < seq.prompt_len
+            if prefilling:
+                self.stats.prompt_tokens += n
+                seq.times.prefill_seconds += step_time
+            else:
+                seq.times.decode_seconds += step_time
+            seq.num_computed_tokens += n
+        for row, res in zip(rows, results):
+            seq = batch.seqs[row]
+            status = append_tokens(seq, [res.token_id], [res.logprob], self.tokenizer)
+            self.stats.generated_tokens += 1
+            if seq.times.first_token is None:
+                seq.times.first_token = t1
+            seq.times.last_token = t1
+            if status is not None:
+                self._finish(seq, status)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        return [o for o in (self._collect(req) for req in touched.values()) if o is not None]
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        self.scheduler.finish(seq, status)
+        seq.times.finished = time.monotonic()
+        reason = seq.finish_reason or status.value
+        self.stats.finished_requests[reason] = self.stats.finished_requests.get(reason, 0) + 1
+
+    def _collect(self, req: _Request) -> RequestOutput | None:
+        outs: list[CompletionOutput] = []
+        for seq in req.seqs:
+            delta = take_delta(seq, seq.status.finished)
+            if delta is not None:
+                outs.append(delta)
+        finished = all(s.status.finished for s in req.seqs)
+        if finished:
+            del self.requests[req.request_id]
+        if not outs and not finished:
+            return None
+        return self._request_output(req, outs, finished)
+
+    def _request_output(self, req: _Request, outs: list[CompletionOutput], finished: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=outs,
+            finished=finished,
+            metrics=_metrics(req),
+        )
+
+
+def _metrics(req: _Request) -> RequestMetrics:
+    first = req.seqs[0].times
+    firsts = [s.times.first_scheduled for s in req.seqs if s.times.first_scheduled is not None]
+    tokens = [s.times.first_token for s in req.seqs if s.times.first_token is not None]
+    ends = [s.times.finished for s in req.seqs]
+    return RequestMetrics(
+        arrival_time=first.arrival,
+        queue_time=(min(firsts) - req.arrival) if firsts else None,
+        time_to_first_token=(min(tokens) - req.arrival) if tokens else None,
+        prefill_time=max(s.times.prefill_seconds for s in req.seqs),
+        decode_time=max(s.times.decode_seconds for s in req.seqs),
+        e2e_latency=(max(e for e in ends if e is not None) - req.arrival) if all(e is not None for e in ends) else None,
+        num_preemptions=sum(s.num_preemptions for s in req.seqs),
+    )

@@ -1,0 +1,91 @@
+"""KV cache sizing and allocation: how many blocks a memory budget buys, and the per-layer tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from tokenloom.config import parse_memory
+from tokenloom.errors import ConfigError
+from tokenloom.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> "KVCacheSpec":
+        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        # K and V, every layer.
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    num_blocks: int
+    block_size: int
+    bytes_total: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many sequences of `max_model_len` tokens fit at once."""
+        return self.num_blocks / -(-self.max_model_len // self.block_size)
+
+    def describe(self) -> str:
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens "
+            f"({self.bytes_total / 2**20:.1f} MiB); max concurrency at max_model_len={self.max_model_len}: "
+            f"{self.max_concurrency:.2f} sequences"
+        )
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return psutil.virtual_memory().available
+
+
+def plan_capacity(spec: KVCacheSpec, budget: str, device: torch.device, max_model_len: int) -> KVCapacity:
+    nbytes, fraction = parse_memory(budget)
+    free = free_memory_bytes(device)
+    nbytes = int(free * fraction) if fraction is not None else int(nbytes or 0)
+    if nbytes > free:
+        raise ConfigError(
+            f"--kv-cache-memory {budget} ({nbytes / 2**30:.2f} GiB) exceeds free memory ({free / 2**30:.2f} GiB)"
+        )
+    num_blocks = nbytes // spec.bytes_per_block
+    blocks_per_seq = -(-max_model_len // spec.block_size)
+    if num_blocks < blocks_per_seq:
+        raise ConfigError(
+            f"--kv-cache-memory {budget} holds {num_blocks * spec.block_size} tokens of KV, fewer than one "
+            f"sequence of --max-model-len {max_model_len}; raise the budget or lower --max-model-len"
+        )
+    return KVCapacity(int(num_blocks), spec.block_size, int(num_blocks * spec.bytes_per_block), max_model_len)
+
+
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (k_cache, v_cache), each (num_blocks, block_size, num_kv_heads, head_dim)."""
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    return [
+        (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+        for _ in range(spec.num_layers)
+    ]

@@ -1,0 +1,133 @@
+"""Token-budget continuous batching (one mechanism for prefill chunks and decodes, as in vLLM v1).
+
+Each step gives every running sequence the tokens it needs next (1 for a decode, a chunk for a prefill)
+within `max_num_batched_tokens`, then admits waiting sequences in (priority, arrival) order while budget,
+`max_num_seqs` and free KV blocks allow. Decodes are served before prefill chunks so a long prompt never
+stalls other sequences' decoding. When blocks run out, the running sequence with the lowest priority and
+latest arrival is preempted: its blocks are freed and it is recomputed from scratch later.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from tokenloom.engine.kv_cache_manager import KVCacheManager
+from tokenloom.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass
+class ScheduledBatch:
+    """What to compute this step: `seqs[i]` gets `num_new_tokens[i]` tokens, decodes first."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.running: list[Sequence] = []  # admission order
+        self._waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, arrival_order, seq)
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self._waiting)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self._waiting, (seq.priority, seq.arrival_order, seq))
+
+    def waiting(self) -> list[Sequence]:
+        return [entry[2] for entry in sorted(self._waiting)]
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End a sequence (stopped, length, aborted), wherever it is, and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            before = len(self._waiting)
+            self._waiting = [e for e in self._waiting if e[2] is not seq]
+            if len(self._waiting) != before:
+                heapq.heapify(self._waiting)
+        self.kv.free(seq)
+        seq.status = status
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[int, tuple[Sequence, int]] = {}  # id(seq) -> (seq, tokens), insertion = batch order
+        preempted: list[Sequence] = []
+
+        # Running sequences: decodes first, then prefill chunks (each in admission order).
+        for seq in sorted(self.running, key=lambda s: s.is_prefill):
+            if budget <= 0:
+                break
+            if seq not in self.running:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(seq, n):
+                victim = max(self.running, key=Sequence.sort_key)
+                self.running.remove(victim)
+                if id(victim) in scheduled:
+                    budget += scheduled.pop(id(victim))[1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled[id(seq)] = (seq, n)
+                budget -= n
+
+        # Waiting sequences, unless this step already had to preempt (no room to grow).
+        while not preempted and self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self._waiting[0][2]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(seq, n):
+                break
+            heapq.heappop(self._waiting)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled[id(seq)] = (seq, n)
+            budget -= n
+
+        batch = ScheduledBatch(preempted=preempted)
+        # Decodes first in the flat batch lets attention treat them as one contiguous group.
+        for seq, n in sorted(scheduled.values(), key=lambda sn: sn[1] > 1):
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+        return batch

@@ -1,0 +1,101 @@
+"""One sequence's state as it moves waiting -> running -> finished (and back to waiting when preempted)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tokenizers.decoders import DecodeStream
+
+from tokenloom.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+    top: dict[int, float]  # top-N token id -> logprob
+
+
+@dataclass
+class SequenceTimes:
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    prefill_seconds: float = 0.0  # wall time of the steps that computed this sequence's prompt
+    decode_seconds: float = 0.0  # wall time of the steps that produced its later tokens
+
+
+@dataclass
+class Sequence:
+    seq_id: str  # unique in the engine: request_id, or "request_id#i" for the i-th of n
+    request_id: str
+    index: int  # which of the request's n completions
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: params.max_tokens capped by max_model_len - prompt length
+    stop_token_ids: frozenset[int]  # eos ids (unless ignore_eos) + params.stop_token_ids
+    arrival_order: int  # tie-breaker for FCFS within a priority
+    priority: int = 0  # lower runs first
+    generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+    status: SequenceStatus = SequenceStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    # Output side.
+    decoder: DecodeStream | None = None
+    output_text: str = ""
+    num_emitted_chars: int = 0  # chars of output_text already returned to a streaming caller
+    num_emitted_tokens: int = 0
+    final_emitted: bool = False  # the delta carrying finish_reason has been handed out
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    times: SequenceTimes = field(default_factory=SequenceTimes)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def is_prefill(self) -> bool:
+        """Still computing tokens it already knows (prompt, or prompt + output after preemption)."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival_order)

@@ -1,0 +1,150 @@
+"""The offline Python API: `LLM(model).generate(prompts, params)`, `.chat(messages)`, `.stream(prompt)`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import fields
+from typing import Any, Union
+
+from tokenloom.config import EngineConfig
+from tokenloom.engine.engine import LLMEngine
+from tokenloom.errors import InvalidRequest
+from tokenloom.outputs import CompletionOutput, RequestOutput
+from tokenloom.sampling_params import SamplingParams
+from tokenloom.tokenizer import Message, Tokenizer
+
+PromptType = Union[str, list[int]]
+
+
+class LLM:
+    """Loads a model once and generates for many prompts with continuous batching.
+
+    Keyword arguments are `EngineConfig` fields: dtype, block_size, kv_cache_memory, max_model_len,
+    max_num_seqs, max_num_batched_tokens, attention_backend, seed, num_threads, device.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in prompt order, each complete."""
+        batch = self._normalise(prompts)
+        params = self._params(sampling_params, len(batch))
+        prios = list(priority) if priority is not None else [0] * len(batch)
+        if len(prios) != len(batch):
+            raise InvalidRequest(f"priority has {len(prios)} entries for {len(batch)} prompts", "priority")
+        encoded = [self._encode(p) for p in batch]
+        for ids, sp in zip(encoded, params):  # validate all before queueing any
+            self.engine.validate_prompt(ids, sp)
+        ids_order = [
+            self.engine.add_request(ids, sp, prompt=p if isinstance(p, str) else None, priority=pr)
+            for p, ids, sp, pr in zip(batch, encoded, params, prios)
+        ]
+        done: dict[str, RequestOutput] = {}
+        acc: dict[str, RequestOutput] = {}
+        try:
+            while len(done) < len(ids_order):
+                for out in self.engine.step():
+                    merged = _merge(acc.get(out.request_id), out)
+                    acc[out.request_id] = merged
+                    if out.finished:
+                        done[out.request_id] = merged
+        finally:
+            for rid in ids_order:  # an exception (e.g. KeyboardInterrupt) must not leave requests queued
+                if rid not in done:
+                    self.engine.abort_request(rid)
+        return [done[rid] for rid in ids_order]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; each rendered with the model's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.encode_chat(c) for c in convs]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params)
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[CompletionOutput]:
+        """Yield deltas (new text and token ids) of a single completion as they are produced."""
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise InvalidRequest("stream() serves one completion; use n=1", "n")
+        rid = self.engine.add_request(self._encode(prompt), params, prompt=prompt if isinstance(prompt, str) else None)
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield from out.outputs
+        finally:
+            if not finished:
+                self.engine.abort_request(rid)
+
+    def stream_chat(self, messages: list[Message], sampling_params: SamplingParams | None = None) -> Iterator[CompletionOutput]:
+        return self.stream(self.tokenizer.encode_chat(messages), sampling_params)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _normalise(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]  # a single prompt of token ids
+        out = list(prompts)
+        if not out:
+            raise InvalidRequest("no prompts given", "prompts")
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _params(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        if len(sp) != n:
+            raise InvalidRequest(f"{len(sp)} sampling params for {n} prompts", "sampling_params")
+        return list(sp)
+
+    def _encode(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list):
+            return prompt
+        raise InvalidRequest(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
+
+
+def _merge(prev: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """Fold a delta into the accumulated output of the same request."""
+    if prev is None:
+        prev = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], False)
+    by_index = {o.index: o for o in prev.outputs}
+    for d in delta.outputs:
+        cur = by_index.get(d.index)
+        if cur is None:
+            cur = by_index[d.index] = CompletionOutput(d.index, "", [], logprobs=[] if d.logprobs is not None else None)
+        cur.text += d.text
+        cur.token_ids.extend(d.token_ids)
+        if d.logprobs is not None and cur.logprobs is not None:
+            cur.logprobs.extend(d.logprobs)
+        cur.cumulative_logprob = d.cumulative_logprob
+        cur.finish_reason, cur.stop_reason = d.finish_reason, d.stop_reason
+    prev.outputs = [by_index[i] for i in sorted(by_index)]
+    prev.finished = delta.finished
+    prev.metrics = delta.metrics
+    return prev

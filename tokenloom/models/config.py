@@ -1,0 +1,130 @@
+"""The model hyper-parameters every architecture file reads, from config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenloom.errors import ModelLoadError, UnsupportedArchitecture
+
+# HF `architectures[0]` -> our family file. GGUF `general.architecture` values map in gguf.py.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE scaling as in HF ``rope_scaling`` / ``rope_parameters`` (kind "default" means none)."""
+
+    kind: str = "default"  # default | linear | dynamic | llama3 | yarn
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    attention_factor: float | None = None  # yarn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # HF class name, e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: q/k/v have bias, o does not
+    mlp_bias: bool = False
+    sliding_window: int | None = None  # Mistral; None = full attention
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else f"<model_type={cfg.get('model_type')}>"
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitecture(
+                f"unsupported model architecture {arch!r}; tokenloom supports "
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise UnsupportedArchitecture(f"{arch}: unsupported hidden_act {cfg.get('hidden_act')!r}")
+        n_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        # transformers v5 folds rope_theta into `rope_parameters`; v4 keeps `rope_theta` + `rope_scaling`.
+        rope_params = dict(cfg.get("rope_parameters") or {})
+        rope_scaling_d = dict(cfg.get("rope_scaling") or {}) or rope_params
+        theta = float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        sliding = cfg.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=parse_rope_scaling(rope_scaling_d),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_window=int(sliding) if sliding else None,
+            hidden_act=str(cfg.get("hidden_act", "silu")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_hf_folder(cls, folder: Path) -> "ModelConfig":
+        path = folder / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{folder}: no config.json (not a Hugging Face model folder)")
+        return cls.from_hf_dict(json.loads(path.read_text()))
+
+
+def parse_rope_scaling(d: dict[str, Any]) -> RopeScaling:
+    kind = str(d.get("rope_type") or d.get("type") or "default")
+    if kind not in ("default", "linear", "dynamic", "llama3", "yarn"):
+        raise UnsupportedArchitecture(f"unsupported rope scaling type {kind!r}")
+    orig = d.get("original_max_position_embeddings")
+    return RopeScaling(
+        kind=kind,
+        factor=float(d.get("factor", 1.0)),
+        original_max_position_embeddings=int(orig) if orig else None,
+        low_freq_factor=float(d.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(d.get("high_freq_factor", 4.0)),
+        beta_fast=float(d.get("beta_fast", 32.0)),
+        beta_slow=float(d.get("beta_slow", 1.0)),
+        mscale=d.get("mscale"),
+        mscale_all_dim=d.get("mscale_all_dim"),
+        attention_factor=d.get("attention_factor"),
+    )

@@ -1,0 +1,129 @@
+"""Layers shared by the model families: RMSNorm, rotary embedding (with scaling), SwiGLU MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenloom.models.config import RopeScaling
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, weight applied in the input dtype (as transformers' LlamaRMSNorm)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (normed, new_residual). With `residual`, adds it first (the fused add+norm of a block)."""
+        if residual is not None:
+            x = x + residual
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype), x
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, max_position: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (head_dim/2,) and the cos/sin multiplier, as transformers computes them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = scaling.kind
+    if kind in ("default", "dynamic"):
+        # Dynamic NTK equals the default inside max_position_embeddings, the only range we serve for it.
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / scaling.factor, 1.0
+    if kind == "llama3":
+        factor, lo, hi = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+        old_len = scaling.original_max_position_embeddings or max_position
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / hi) * ~(wavelen > old_len / lo)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling, max_position)
+    raise ValueError(f"unknown rope scaling kind {kind!r}")
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, s: RopeScaling, max_position: int) -> tuple[torch.Tensor, float]:
+    orig = s.original_max_position_embeddings or max_position
+    factor = s.factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.attention_factor is not None:
+        attn = float(s.attention_factor)
+    elif s.mscale and s.mscale_all_dim:
+        attn = mscale(factor, s.mscale) / mscale(factor, s.mscale_all_dim)
+    else:
+        attn = mscale(factor)
+
+    def corr_dim(rot: float) -> float:
+        return (head_dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(theta))
+
+    low = max(math.floor(corr_dim(s.beta_fast)), 0)
+    high = min(math.ceil(corr_dim(s.beta_slow)), head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extra_factor = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extra_factor) + (1.0 / pos_freqs) * extra_factor
+    return inv_freq, attn
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) RoPE with a precomputed cos/sin table indexed by position."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling, max_position: int) -> None:
+        super().__init__()
+        self.head_dim, self.theta, self.scaling, self.max_position = head_dim, theta, scaling, max_position
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.materialize(torch.empty(0).device)
+
+    def materialize(self, device: torch.device) -> None:
+        """(Re)compute the float32 tables on `device`: models are built on the meta device, then filled."""
+        with torch.device("cpu"):  # also when called inside a `torch.device("meta")` context
+            inv_freq, attn_factor = rope_inv_freq(self.head_dim, self.theta, self.scaling, self.max_position)
+            t = torch.arange(self.max_position, dtype=torch.float32)
+            freqs = torch.outer(t, inv_freq)  # (max_position, head_dim/2)
+            emb = torch.cat((freqs, freqs), dim=-1)  # (max_position, head_dim)
+        self.cos = (emb.cos() * attn_factor).to(device)
+        self.sin = (emb.sin() * attn_factor).to(device)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: (T, Hq, D), k: (T, Hkv, D), positions: (T,)
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.intermediate_size = intermediate_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

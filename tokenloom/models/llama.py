@@ -1,0 +1,146 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2): GQA, RoPE, RMSNorm, SwiGLU, optional qkv bias.
+
+Operates on a flat batch of tokens from many sequences, (T, hidden); attention reads and writes the
+paged KV cache through `AttentionMetadata`. q/k/v and gate/up are fused into single matmuls at load time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tokenloom.attention.base import AttentionBackend, AttentionMetadata
+from tokenloom.errors import ModelLoadError
+from tokenloom.models.config import ModelConfig
+from tokenloom.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: (k_cache, v_cache)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = cfg.sliding_window
+        self.rotary = rotary
+        self.backend = backend
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv[0], kv[1], meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm fuses the preceding add.
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, kv, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.requires_grad_(False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, hidden) final hidden states
+        x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer, kv in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, kv, meta)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) float32 logits, for the rows that get sampled only."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, packing q/k/v into qkv_proj and gate/up into gate_up_proj."""
+        params = dict(self.named_parameters())
+        a = self.layers[0].self_attn
+        qkv_offsets = {"q_proj": (0, a.q_size), "k_proj": (a.q_size, a.kv_size), "v_proj": (a.q_size + a.kv_size, a.kv_size)}
+        inter = self.config.intermediate_size
+        gate_up_offsets = {"gate_proj": (0, inter), "up_proj": (inter, inter)}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.startswith("model."):
+                name = name[len("model.") :]
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, offset = name, None
+            for packed, table in (("qkv_proj", qkv_offsets), ("gate_up_proj", gate_up_offsets)):
+                for part, off in table.items():
+                    if f".{part}." in name:
+                        target, offset = name.replace(part, packed), off
+            if target not in params:
+                raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
+            param = params[target]
+            dest = param.data if offset is None else param.data.narrow(0, offset[0], offset[1])
+            if dest.shape != tensor.shape:
+                raise ModelLoadError(f"tensor {name!r}: shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(name if offset is None else f"{target}:{offset[0]}")
+        expected = _expected_keys(self, qkv_offsets, gate_up_offsets)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _expected_keys(
+    model: LlamaForCausalLM, qkv: dict[str, tuple[int, int]], gate_up: dict[str, tuple[int, int]]
+) -> set[str]:
+    keys: set[str] = set()
+    for name, _ in model.named_parameters():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        table = qkv if ".qkv_proj." in name else gate_up if ".gate_up_proj." in name else None
+        if table is None:
+            keys.add(name)
+        else:
+            keys.update(f"{name}:{off[0]}" for off in table.values())
+    return keys

@@ -1,0 +1,49 @@
+"""What the engine returns: per request, one CompletionOutput per sampled sequence (n of them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenloom.engine.sequence import TokenLogprob
+
+
+@dataclass
+class RequestMetrics:
+    """Seconds, measured on the engine's monotonic clock."""
+
+    arrival_time: float
+    queue_time: float | None = None  # arrival -> first scheduled
+    time_to_first_token: float | None = None  # arrival -> first output token
+    prefill_time: float = 0.0  # steps spent computing the prompt
+    decode_time: float = 0.0  # steps spent producing the later tokens
+    e2e_latency: float | None = None  # arrival -> finished
+    num_preemptions: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """In streaming (delta) form `outputs` carries only what is new since the last one for each index."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    extra: dict[str, object] = field(default_factory=dict)
