@@ -93,6 +93,21 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
     return folder
 
 
+def hf_greedy_ids(model: "torch.nn.Module", ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' forward with its KV cache, argmax each step, EOS not special (like ignore_eos).
+
+    Returns the n generated ids and the float32 log-probabilities at the first generated position.
+    """
+    out = model(torch.tensor([ids]), use_cache=True)
+    first = torch.log_softmax(out.logits[0, -1].float(), -1)
+    new: list[int] = []
+    for _ in range(n):
+        tok = int(out.logits[0, -1].argmax())
+        new.append(tok)
+        out = model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+    return new, first
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

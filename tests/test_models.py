@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import PROMPTS, make_tiny_model
+from conftest import PROMPTS, hf_greedy_ids, make_tiny_model
 from tokenloom import LLM, SamplingParams
 from tokenloom.errors import UnsupportedArchitecture
 from tokenloom.models.config import ModelConfig
@@ -24,10 +24,9 @@ def hf_greedy(folder: Path, prompts: list[list[int]], **kw: object) -> tuple[lis
     ids_out, first_logprobs = [], []
     with torch.no_grad():
         for ids in prompts:
-            x = torch.tensor([ids])
-            first_logprobs.append(torch.log_softmax(model(x).logits[0, -1].float(), -1))
-            g = model.generate(x, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
-            ids_out.append(g[0, len(ids) :].tolist())
+            new, first = hf_greedy_ids(model, ids, MAX_NEW)
+            ids_out.append(new)
+            first_logprobs.append(first)
     return ids_out, first_logprobs
 
 
@@ -45,7 +44,7 @@ def check_parity(folder: Path, backend: str, hf_kwargs: dict[str, object] | None
         assert abs(first.logprob - float(lp[first.token_id])) < LOGPROB_ATOL
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("backend", ["cpu", "sdpa", "reference"])
 def test_tiny_llama_matches_transformers(tiny_llama: Path, backend: str) -> None:
     check_parity(tiny_llama, backend)
 
@@ -54,10 +53,10 @@ def test_qwen2_with_qkv_bias_and_tied_embeddings(tmp_path: Path) -> None:
     folder = make_tiny_model(tmp_path / "qwen2", arch="qwen2", seed=3, tie_word_embeddings=True)
     cfg = ModelConfig.from_hf_folder(folder)
     assert cfg.attention_bias and cfg.tie_word_embeddings
-    check_parity(folder, "sdpa")
+    check_parity(folder, "auto")
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("backend", ["cpu", "sdpa", "reference"])
 def test_mistral_sliding_window(tmp_path: Path, backend: str) -> None:
     # A window shorter than the prompts makes the mask matter; small chunks exercise cached context.
     folder = make_tiny_model(tmp_path / "mistral", arch="mistral", seed=5, sliding_window=6)
@@ -68,7 +67,7 @@ def test_llama3_rope_scaling_model(tmp_path: Path) -> None:
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
     folder = make_tiny_model(tmp_path / "llama3", seed=7, rope_scaling=scaling, rope_theta=500000.0)
-    check_parity(folder, "sdpa")
+    check_parity(folder, "auto")
 
 
 @pytest.mark.parametrize(

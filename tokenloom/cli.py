@@ -7,6 +7,7 @@ import logging
 import sys
 from dataclasses import fields
 
+from tokenloom.attention.base import BACKENDS
 from tokenloom.config import EngineConfig
 from tokenloom.errors import TokenloomError
 
@@ -23,7 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens per sequence")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="max sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget per step")
-    g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "sdpa", "reference"])
+    g.add_argument("--attention-backend", default=d.attention_backend, choices=list(BACKENDS),
+                   help="auto: C++ paged kernel on CPU (sdpa if it cannot build), sdpa on CUDA")
     g.add_argument("--seed", type=int, default=d.seed, help="sampler seed for requests without their own")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
 

@@ -71,13 +71,25 @@ class AttentionBackend(ABC):
         """Write k/v into the cache at meta.slot_mapping, then attend."""
 
 
-def get_backend(name: str) -> AttentionBackend:
+BACKENDS = ("auto", "cpu", "sdpa", "reference")
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    """auto: the C++ kernel backend on CPU when it builds, else (and on CUDA) torch SDPA."""
+    from tokenloom.attention.cpu import CPUBackend
+    from tokenloom.kernels import load_cpu_kernels
     from tokenloom.attention.reference import ReferenceBackend
     from tokenloom.attention.sdpa import SDPABackend
+    from tokenloom.errors import ConfigError
 
-    backends: dict[str, type[AttentionBackend]] = {"reference": ReferenceBackend, "sdpa": SDPABackend}
-    if name == "auto":
-        name = "sdpa"
-    if name not in backends:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(backends)}")
-    return backends[name]()
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown attention backend {name!r}; choose from {', '.join(BACKENDS)}")
+    if name == "reference":
+        return ReferenceBackend()
+    if name in ("auto", "cpu") and device.type == "cpu":
+        kernels = load_cpu_kernels()
+        if kernels is not None:
+            return CPUBackend(kernels)
+        if name == "cpu":
+            raise ConfigError("--attention-backend cpu: the C++ kernels could not be built (see the log)")
+    return SDPABackend()

@@ -29,6 +29,7 @@ class _Plan:
     decode_tokens: torch.Tensor | None  # (B,) token index of each decoding sequence
     decode_blocks: torch.Tensor | None  # (B, max_blocks)
     decode_mask: torch.Tensor | None  # (B, 1, 1, max_blocks * block_size) bool
+    decode_lens: torch.Tensor | None  # (B,) int64 context length of each decoding sequence
     all_decode: bool  # every token of the batch is a decode, in order: skip the index ops
     prefills: list[_Prefill]
 
@@ -57,7 +58,7 @@ class SDPABackend(AttentionBackend):
             blocks = meta.block_tables[i, : (ctx + bs - 1) // bs]
             prefills.append(_Prefill(start, end, ctx, blocks if ctx > q_len else None, mask))
         if not dec_rows:
-            return _Plan(None, None, None, False, prefills)
+            return _Plan(None, None, None, None, False, prefills)
         rows = torch.tensor(dec_rows, device=device)
         ctx_lens = torch.tensor([meta.seq_lens[i] for i in dec_rows], device=device)
         max_blocks = (int(ctx_lens.max()) + bs - 1) // bs
@@ -70,6 +71,7 @@ class SDPABackend(AttentionBackend):
             decode_tokens=tokens,
             decode_blocks=meta.block_tables[rows, :max_blocks],
             decode_mask=mask[:, None, None, :],
+            decode_lens=ctx_lens,
             all_decode=not prefills,
             prefills=prefills,
         )
@@ -89,22 +91,15 @@ class SDPABackend(AttentionBackend):
         plan: _Plan = meta.plan
         if plan is None:
             plan = meta.plan = self.plan(meta, q.device, sliding_window)
-        num_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
-        group = num_heads // num_kv_heads
+        group = q.shape[1] // k_cache.shape[2]
         out = q.new_empty(q.shape)
         if plan.decode_tokens is not None:
             qd = q if plan.all_decode else q[plan.decode_tokens]  # (B, Hq, D)
-            batch = qd.shape[0]
-            # Grouped-query trick: the `group` query heads sharing a KV head act as `group` queries of it.
-            qd = qd.view(batch, num_kv_heads, group, head_dim)
-            keys = k_cache[plan.decode_blocks].flatten(1, 2).transpose(1, 2)  # (B, Hkv, L, D)
-            vals = v_cache[plan.decode_blocks].flatten(1, 2).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=plan.decode_mask, scale=scale)
-            od = od.reshape(batch, num_heads, head_dim)
+            od = self.decode(qd, k_cache, v_cache, plan, scale, sliding_window)
             if plan.all_decode:
                 return od
             out[plan.decode_tokens] = od
-        for p in plan.prefills:
+        for p in plan.prefills:  # each prompt chunk on its own
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # (1, Hq, q_len, D)
             if p.blocks is None:
                 kp, vp = k[p.start : p.end], v[p.start : p.end]  # (q_len, Hkv, D) fresh
@@ -117,3 +112,17 @@ class SDPABackend(AttentionBackend):
             )
             out[p.start : p.end] = op.squeeze(0).transpose(0, 1)
         return out
+
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _Plan, scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """One query per sequence, q (B, Hq, D) -> (B, Hq, D), over gathered, padded, masked contexts."""
+        batch, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        # Grouped-query trick: the query heads sharing a KV head act as that many queries of it.
+        qd = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        keys = k_cache[plan.decode_blocks].flatten(1, 2).transpose(1, 2)  # (B, Hkv, L, D)
+        vals = v_cache[plan.decode_blocks].flatten(1, 2).transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=plan.decode_mask, scale=scale)
+        return od.reshape(batch, num_heads, head_dim)

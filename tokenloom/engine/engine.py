@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenloom.attention.base import get_backend
+from tokenloom.attention.cpu import CPUBackend
 from tokenloom.config import EngineConfig
 from tokenloom.engine.kv_cache import KVCacheSpec, allocate_kv_cache, plan_capacity
 from tokenloom.engine.kv_cache_manager import KVCacheManager
@@ -63,8 +64,10 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
-        self.backend = get_backend(config.attention_backend)
+        self.backend = get_backend(config.attention_backend, self.device)
         self.loaded: LoadedModel = load_model(config.model, config.dtype, self.device, self.backend, config.max_model_len)
+        if isinstance(self.backend, CPUBackend):
+            self.loaded.model.set_kernels(self.backend.kernels)
         mcfg = self.loaded.config
         self.model_config = mcfg
         self.tokenizer = self.loaded.tokenizer

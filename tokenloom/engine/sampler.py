@@ -32,13 +32,16 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[SampleResult]:
         """logits: (S, vocab) float32, row i belongs to seqs[i]."""
         raw = logits
-        logits = logits.clone()
-        self._mask_stop_tokens(logits, seqs)
-        self._apply_penalties(logits, seqs)
+        if any(_needs_processing(s) for s in seqs):
+            logits = logits.clone()  # `raw` stays untouched for logprobs
+            self._mask_stop_tokens(logits, seqs)
+            self._apply_penalties(logits, seqs)
 
         greedy = [s.params.greedy for s in seqs]
         token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
-        if any(greedy):
+        if all(greedy):
+            token_ids = logits.argmax(dim=-1)
+        elif any(greedy):
             rows = [i for i, g in enumerate(greedy) if g]
             token_ids[rows] = logits[rows].argmax(dim=-1)
         if not all(greedy):
@@ -118,6 +121,16 @@ class Sampler:
             if s.generator is not None:
                 noise[i].exponential_(generator=s.generator)
         return (probs / noise).argmax(dim=-1)
+
+
+def _needs_processing(s: Sequence) -> bool:
+    p = s.params
+    return (
+        p.repetition_penalty != 1.0
+        or p.presence_penalty != 0.0
+        or p.frequency_penalty != 0.0
+        or (s.num_output_tokens < p.min_tokens and bool(s.stop_token_ids))
+    )
 
 
 def _logprobs(raw: torch.Tensor, token_ids: list[int], want: list[int | None]) -> list[TokenLogprob | None]:

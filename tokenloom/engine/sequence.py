@@ -43,7 +43,7 @@ class SequenceTimes:
     decode_seconds: float = 0.0  # wall time of the steps that produced its later tokens
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: the scheduler looks sequences up in its queues
 class Sequence:
     seq_id: str  # unique in the engine: request_id, or "request_id#i" for the i-th of n
     request_id: str

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,8 @@ from tokenloom.models.config import RopeScaling
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, weight applied in the input dtype (as transformers' LlamaRMSNorm)."""
 
+    kernels: ModuleType | None = None  # the fused C++ kernel when set (CPU); else the torch reference
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
@@ -21,6 +24,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed, new_residual). With `residual`, adds it first (the fused add+norm of a block)."""
+        if self.kernels is not None and x.is_cpu:
+            return self.kernels.add_rms_norm(x.contiguous(), residual, self.weight, self.eps)
+        return self.reference(x, residual)
+
+    def reference(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:
             x = x + residual
         dtype = x.dtype
@@ -100,13 +108,21 @@ class RotaryEmbedding(nn.Module):
         self.cos = (emb.cos() * attn_factor).to(device)
         self.sin = (emb.sin() * attn_factor).to(device)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: (T, Hq, D), k: (T, Hkv, D), positions: (T,)
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for each token, (T, 1, D) in `dtype`; computed once per step and shared by all layers."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kernels: ModuleType | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # q: (T, Hq, D), k: (T, Hkv, D), cos/sin: (T, 1, D)
+    cos, sin = cos_sin
+    if kernels is not None and q.is_cpu:
+        # In place on the fused qkv projection's q and k views: no new tensors.
+        kernels.rotary_inplace(q, k, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
+        return q, k
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -117,6 +133,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
+    kernels: ModuleType | None = None  # the fused C++ silu_and_mul when set (CPU)
+
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
@@ -125,5 +143,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate)
+        if self.kernels is not None and gate_up.is_cpu:
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -7,6 +7,7 @@ paged KV cache through `AttentionMetadata`. q/k/v and gate/up are fused into sin
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -14,13 +15,14 @@ from torch import nn
 from tokenloom.attention.base import AttentionBackend, AttentionMetadata
 from tokenloom.errors import ModelLoadError
 from tokenloom.models.config import ModelConfig
-from tokenloom.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from tokenloom.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: (k_cache, v_cache)
+CosSin = tuple[torch.Tensor, torch.Tensor]  # RoPE cos, sin per token: (T, 1, head_dim) each
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -28,33 +30,31 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
-        self.rotary = rotary
         self.backend = backend
+        self.kernels: ModuleType | None = None  # fused C++ RoPE when set (CPU)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, rope: CosSin, x: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rope(q, k, rope, self.kernels)
         out = self.backend.forward(q, k, v, kv[0], kv[1], meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary, backend)
+        self.self_attn = LlamaAttention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: CosSin,
         x: torch.Tensor,
         residual: torch.Tensor | None,
         kv: KVCache,
@@ -62,7 +62,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual stream is carried separately so each norm fuses the preceding add.
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, kv, meta)
+        h = self.self_attn(rope, h, kv, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -71,9 +71,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int) -> None:
         super().__init__()
         self.config = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -88,10 +88,17 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # (T, hidden) final hidden states
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, x.dtype)
         residual: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv, meta)
+            x, residual = layer(rope, x, residual, kv, meta)
         return self.norm(x, residual)[0]
+
+    def set_kernels(self, kernels: ModuleType | None) -> None:
+        """Route norms, RoPE and SwiGLU through the fused C++ kernels (None: the torch reference ops)."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, SwiGLU, LlamaAttention)):
+                m.kernels = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32 logits, for the rows that get sampled only."""

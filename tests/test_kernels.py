@@ -1,0 +1,86 @@
+"""The C++ CPU kernels against their pure-torch twins (the oracles) on random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloom.attention.base import AttentionMetadata
+from tokenloom.attention.reference import ReferenceBackend
+from tokenloom.kernels import load_cpu_kernels
+from tokenloom.models.layers import RMSNorm, apply_rope
+
+K = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(K is None, reason="the C++ kernels could not be built on this machine")
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm(dtype: torch.dtype, with_residual: bool) -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = torch.randn(96).to(dtype)
+    x = torch.randn(37, 96).to(dtype) * 3
+    res = torch.randn(37, 96).to(dtype) if with_residual else None
+    want, want_res = norm.reference(x, res)
+    got, got_res = K.add_rms_norm(x, res, norm.weight, 1e-5)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)  # the residual sum is exact
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    x = (torch.randn(19, 2 * 200) * 4).to(dtype)
+    want = torch.nn.functional.silu(x[:, :200]) * x[:, 200:]
+    torch.testing.assert_close(K.silu_and_mul(x), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_rotary_inplace_on_fused_qkv_views(dtype: torch.dtype, head_dim: int) -> None:
+    torch.manual_seed(2)
+    t, hq, hkv = 11, 6, 2
+    qkv = torch.randn(t, (hq + 2 * hkv) * head_dim).to(dtype)
+    q = qkv[:, : hq * head_dim].view(t, hq, head_dim)
+    k = qkv[:, hq * head_dim : (hq + hkv) * head_dim].view(t, hkv, head_dim)
+    ang = torch.rand(t, 1, head_dim // 2) * 6
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
+    want_q, want_k = apply_rope(q.clone(), k.clone(), (cos, sin))
+    v_before = qkv[:, (hq + hkv) * head_dim :].clone()
+    got_q, got_k = apply_rope(q, k, (cos, sin), K)
+    torch.testing.assert_close(got_q, want_q, **TOL[dtype])
+    torch.testing.assert_close(got_k, want_k, **TOL[dtype])
+    assert torch.equal(qkv[:, (hq + hkv) * head_dim :], v_before), "V must not be touched"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, hq, hkv", [(64, 9, 3), (128, 4, 4), (48, 8, 2)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_decode_matches_reference(dtype: torch.dtype, head_dim: int, hq: int, hkv: int, window: int | None) -> None:
+    torch.manual_seed(3)
+    block, num_blocks = 4, 64
+    k_cache = torch.randn(num_blocks, block, hkv, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block, hkv, head_dim).to(dtype)
+    lens = [1, 7, 16, 23]
+    perm = torch.randperm(num_blocks).tolist()
+    tables, used = [], 0
+    for n in lens:
+        nb = -(-n // block)
+        tables.append(perm[used : used + nb])
+        used += nb
+    width = max(len(r) for r in tables)
+    bt = torch.tensor([r + [0] * (width - len(r)) for r in tables])
+    q = torch.randn(len(lens), hq, head_dim).to(dtype)
+    got = K.paged_decode(q, k_cache, v_cache, bt, torch.tensor(lens), head_dim**-0.5, window or 0)
+    # The reference writes k/v first: hand it each sequence's own last-slot contents so nothing changes.
+    last = [tables[i][(n - 1) // block] * block + (n - 1) % block for i, n in enumerate(lens)]
+    slots = torch.tensor(last)
+    k_new = k_cache.view(-1, hkv, head_dim)[slots].clone()
+    v_new = v_cache.view(-1, hkv, head_dim)[slots].clone()
+    meta = AttentionMetadata(list(range(len(lens) + 1)), lens, bt, slots, block)
+    want = ReferenceBackend().forward(q, k_new, v_new, k_cache, v_cache, meta, head_dim**-0.5, window)
+    torch.testing.assert_close(got, want, **TOL[dtype])

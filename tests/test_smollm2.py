@@ -1,0 +1,60 @@
+"""The real embedded model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers loading the same file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from conftest import hf_greedy_ids
+from tokenloom import LLM, SamplingParams
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain what a KV cache is in one sentence, please, and keep it short and simple for a beginner.",
+]
+MAX_NEW = 20
+LOGPROB_ATOL = 1e-3  # float32 on both sides; 30 layers of summation-order differences
+
+
+@pytest.fixture(scope="module")
+def ours(smollm2_gguf: Path) -> LLM:
+    return LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_gguf: Path) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()
+
+
+def test_greedy_ids_and_logprobs_match_transformers(ours: LLM, reference: transformers.PreTrainedModel) -> None:
+    prompts = [ours.tokenizer.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
+    assert len({len(p) for p in prompts}) == len(prompts), "mixed prompt lengths"
+    outs = ours.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5))
+    with torch.no_grad():
+        for ids, out in zip(prompts, outs):
+            ref_ids, ref_lp = hf_greedy_ids(reference, ids, MAX_NEW)
+            assert out.outputs[0].token_ids == ref_ids
+            first = out.outputs[0].logprobs[0]
+            for tok, lp in first.top.items():
+                assert abs(lp - float(ref_lp[tok])) < LOGPROB_ATOL
+
+
+def test_answers_the_capital_of_france(ours: LLM) -> None:
+    out = ours.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=30))
+    text = out[0].outputs[0].text
+    assert "Paris" in text
+    assert out[0].outputs[0].finish_reason == "stop"  # ends on <|im_end|> by itself
+
+
+def test_bfloat16_default_answers_too(smollm2_gguf: Path) -> None:
+    llm = LLM(kv_cache_memory="64MiB", max_model_len=512)  # the embedded default, bfloat16
+    assert llm.engine.loaded.dtype is torch.bfloat16 and llm.engine.model_name == "SmolLM2-135M-Instruct"
+    text = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0].text
+    assert "Paris" in text

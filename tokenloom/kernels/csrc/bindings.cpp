@@ -1,0 +1,19 @@
+// Python bindings of the CPU kernels (one extension module, tokenloom_cpu_kernels).
+#include <torch/extension.h>
+
+#include <tuple>
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                        int64_t sliding_window);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                                const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& x);
+void rotary_inplace(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention, one query per sequence");
+  m.def("add_rms_norm", &add_rms_norm, "optional residual add + RMSNorm; returns (normed, new residual)");
+  m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation: silu(gate) * up");
+  m.def("rotary_inplace", &rotary_inplace, "neox rotary embedding applied in place to q and k");
+}

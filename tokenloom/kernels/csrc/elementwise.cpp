@@ -1,0 +1,141 @@
+// Fused elementwise kernels for the CPU: residual add + RMSNorm, SiLU-and-mul, rotary embedding.
+//
+// Each reproduces the torch reference in models/layers.py operation by operation, rounding every
+// intermediate the reference stores to the tensor dtype, so bfloat16 results match it bit for bit
+// in the common case (float32 accumulation order may differ in the last place).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+#include "dtype.h"
+
+// normed = weight * round(x * rsqrt(mean(x^2) + eps)), computed in float32.
+// With `residual`: x = round(x + residual) first, and that sum is returned as the new residual.
+template <typename T>
+static void add_rms_norm_kernel(const T* x, const T* res, const T* w, T* out, T* new_res, int64_t rows, int64_t H,
+                                float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(H);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * H;
+      float ss = 0.f;
+      if (res != nullptr) {
+        const T* rr = res + r * H;
+        T* nr = new_res + r * H;
+        for (int64_t i = 0; i < H; ++i) {
+          float v = round_to<T>(to_float(xr[i]) + to_float(rr[i]));
+          nr[i] = from_float<T>(v);
+          h[i] = v;
+        }
+      } else {
+        for (int64_t i = 0; i < H; ++i) h[i] = to_float(xr[i]);
+      }
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) ss += h[i] * h[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+      T* orow = out + r * H;
+      for (int64_t i = 0; i < H; ++i) orow[i] = from_float<T>(to_float(w[i]) * round_to<T>(h[i] * inv));
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                                const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "add_rms_norm: contiguous inputs");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "add_rms_norm: x and weight dtypes differ");
+  const int64_t H = x.size(-1), rows = x.numel() / H;
+  at::Tensor out = at::empty_like(x);
+  at::Tensor new_res = residual.has_value() ? at::empty_like(x) : x;
+  if (residual.has_value()) TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(), "add_rms_norm: residual shape");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    add_rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(),
+                                  residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr,
+                                  weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                  residual.has_value() ? new_res.data_ptr<scalar_t>() : nullptr, rows, H,
+                                  static_cast<float>(eps));
+  });
+  return {out, new_res};
+}
+
+// (T, 2I) [gate | up] -> (T, I): round(silu(gate)) * up, as F.silu(gate) * up does in T.
+template <typename T>
+static void silu_and_mul_kernel(const T* in, T* out, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(I);
+    float* __restrict__ f = buf.data();
+    for (int64_t r = begin; r < end; ++r) {
+      const T* __restrict__ gate = in + r * 2 * I;
+      const T* __restrict__ up = gate + I;
+      T* __restrict__ o = out + r * I;
+      // Three simple passes vectorise where one fused loop over the storage type does not.
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) f[i] = to_float(gate[i]);
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) f[i] = round_to<T>(f[i] / (1.f + exp_fast(-f[i]))) * to_float(up[i]);
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) o[i] = from_float<T>(f[i]);
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.is_contiguous() && x.size(-1) % 2 == 0, "silu_and_mul: contiguous (..., 2I) input");
+  const int64_t I = x.size(-1) / 2, rows = x.numel() / x.size(-1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = I;
+  at::Tensor out = at::empty(sizes, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_kernel<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, I);
+  });
+  return out;
+}
+
+// Neox-style RoPE in place: x (T, H, D) with row stride `row_stride`; cos/sin (T, D) already in T.
+// x1' = round(round(x1 * c) + round(-x2 * s)),  x2' = round(round(x2 * c) + round(x1 * s))
+template <typename T>
+static void rope_kernel(T* x, int64_t row_stride, const T* cos, const T* sin, int64_t tokens, int64_t H, int64_t D) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(D), s(D), a(half), b(half);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = 0; i < D; ++i) {
+        c[i] = to_float(cos[t * D + i]);
+        s[i] = to_float(sin[t * D + i]);
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        T* __restrict__ v1 = x + t * row_stride + h * D;
+        T* __restrict__ v2 = v1 + half;
+        float* __restrict__ pa = a.data();
+        float* __restrict__ pb = b.data();
+        const float* __restrict__ pc = c.data();
+        const float* __restrict__ ps = s.data();
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_float(v1[i]), x2 = to_float(v2[i]);
+          pa[i] = round_to<T>(x1 * pc[i]) + round_to<T>(-x2 * ps[i]);
+          pb[i] = round_to<T>(x2 * pc[i + half]) + round_to<T>(x1 * ps[i + half]);
+        }
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          v1[i] = from_float<T>(pa[i]);
+          v2[i] = from_float<T>(pb[i]);
+        }
+      }
+    }
+  });
+}
+
+// q: (T, Hq, D), k: (T, Hkv, D) views into the fused qkv projection (rows may be strided).
+void rotary_inplace(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
+              "rotary_inplace: heads must be dense within a token");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == q.scalar_type(), "rotary_inplace: cos/sin");
+  const int64_t T = q.size(0), D = q.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_inplace", [&] {
+    rope_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), T, q.size(1), D);
+    rope_kernel<scalar_t>(k.data_ptr<scalar_t>(), k.stride(0), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), T, k.size(1), D);
+  });
+}

@@ -1,0 +1,130 @@
+// Paged decode attention for CPU: one query token per sequence, K/V read in place through block tables.
+//
+// q:            (B, Hq, D)                 one new token per sequence, RoPE applied
+// k/v_cache:    (num_blocks, block_size, Hkv, D), contiguous
+// block_tables: (B, max_blocks) int64      block ids of each sequence, in order
+// seq_lens:     (B,) int64                 context length of each sequence, the new token included
+// out:          (B, Hq, D)
+//
+// Work is split over (sequence, kv head) pairs; the G = Hq / Hkv query heads that share a KV head are
+// processed together so each K/V row is loaded once. Scores and the softmax are in float32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "dtype.h"
+
+// Widen one row of D values to float32 (vectorisable; see dtype.h).
+template <typename scalar_t>
+static inline void widen(const scalar_t* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// kD > 0 fixes the head size at compile time (fully unrolled, vectorised inner loops); 0 = runtime size.
+template <typename scalar_t, int64_t kD>
+static void paged_decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
+                                double scale, int64_t sliding_window) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = kD > 0 ? kD : q.size(2);
+  const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t G = Hq / Hkv;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t token_stride = Hkv * D, block_stride = block_size * token_stride;
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), row(D), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t len = lens[b];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      const int64_t n = len - first;
+      scores.assign(G * n, 0.f);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          qf[g * D + d] = to_float(qp[(b * Hq + h * G + g) * D + d]) * fscale;
+      // Walk the context block by block (no per-token division): tokens [t0, t0 + block_size) of
+      // block bt[t0 / block_size], clipped to [first, len).
+      const int64_t t_begin = first - first % block_size;
+      // scores[g, t] = q_g . k_t
+      for (int64_t t0 = t_begin; t0 < len; t0 += block_size) {
+        const scalar_t* kbase = kp + bt[b * max_blocks + t0 / block_size] * block_stride + h * D;
+        for (int64_t t = std::max(t0, first), hi = std::min(t0 + block_size, len); t < hi; ++t) {
+          widen(kbase + (t - t0) * token_stride, row.data(), D);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf.data() + g * D;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < D; ++d) s += qg[d] * row[d];
+            scores[g * n + (t - first)] = s;
+          }
+        }
+      }
+      // softmax over t, per query head
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * n;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) {
+          sg[i] = exp_fast(sg[i] - m);
+          sum += sg[i];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
+      }
+      // acc[g] = sum_t p[g, t] * v_t
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = t_begin; t0 < len; t0 += block_size) {
+        const scalar_t* vbase = vp + bt[b * max_blocks + t0 / block_size] * block_stride + h * D;
+        for (int64_t t = std::max(t0, first), hi = std::min(t0 + block_size, len); t < hi; ++t) {
+          widen(vbase + (t - t0) * token_stride, row.data(), D);
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = scores[g * n + (t - first)];
+            float* ag = acc.data() + g * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          op[(b * Hq + h * G + g) * D + d] = from_float<scalar_t>(acc[g * D + d]);
+    }
+  });
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                        int64_t sliding_window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode: q (B, Hq, D), cache (N, bs, Hkv, D)");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: contiguous inputs");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged_decode: q and cache dtypes differ");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_decode: query heads not a multiple of kv heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "paged_decode: int64 tables");
+  auto bt = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  at::Tensor out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    switch (q.size(2)) {
+      case 64: paged_decode_kernel<scalar_t, 64>(q, k_cache, v_cache, bt, lens, out, scale, sliding_window); break;
+      case 128: paged_decode_kernel<scalar_t, 128>(q, k_cache, v_cache, bt, lens, out, scale, sliding_window); break;
+      default: paged_decode_kernel<scalar_t, 0>(q, k_cache, v_cache, bt, lens, out, scale, sliding_window);
+    }
+  });
+  return out;
+}
+

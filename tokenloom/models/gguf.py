@@ -1,0 +1,591 @@
+"""Load a GGUF file (llama.cpp's format): model config, Hugging Face-named weights, and tokenizer.
+
+    config, state_dict, tokenizer = load_gguf(path, torch.bfloat16)
+
+The result is what `transformers` builds from the same file (`from_pretrained(dir, gguf_file=...)`):
+the same config values, the same dequantized weights under the same names (with llama.cpp's RoPE
+row permutation of q/k undone), and a tokenizer that gives the same ids.
+
+Sections: reading the container, the config, the weights, the tokenizer.
+
+The container is parsed here rather than with `gguf.GGUFReader`: the reader builds one numpy view
+per array element, which costs ~2 s for a 49k-token vocabulary (more than the whole load should);
+this parser reads the same layout in ~0.05 s and memory-maps the tensor data the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import re
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, TokenType
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+from tokenloom.errors import ConfigError, ModelLoadError, UnsupportedArchitecture
+from tokenloom.models.config import ModelConfig, RopeScaling
+from tokenloom.models.gguf_quants import dequantize
+from tokenloom.tokenizer import Tokenizer
+
+# GGUF `general.architecture` -> HF class name. Mistral GGUFs say "llama".
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+# Architectures whose converter permuted attn_q/attn_k rows for GGML's interleaved RoPE.
+_ROPE_PERMUTED = {"llama"}
+
+LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_T = TypeVar("_T")
+
+
+def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Read `path` and return (config, HF-named state dict in `dtype`, tokenizer)."""
+    if dtype not in LOADABLE_DTYPES:
+        raise ConfigError(f"dtype {dtype} is not supported for GGUF weights; use float32 or bfloat16")
+    f = read_gguf(path)
+    config = config_from_gguf(f)
+    return config, state_dict_from_gguf(f, config, dtype), tokenizer_from_gguf(f)
+
+
+# --- the container ---------------------------------------------------------------------------------
+# Little-endian: "GGUF", u32 version, u64 tensor count, u64 kv count; kv pairs (string key, u32 type,
+# value); tensor infos (string name, u32 n_dims, u64 dims[n_dims] fastest-first, u32 ggml type,
+# u64 offset); padding to `general.alignment`; tensor data. Strings are u64 length + UTF-8 bytes.
+
+_SCALAR_FORMATS: dict[int, str] = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # torch order: the GGUF dims reversed (rows first)
+    qtype: GGMLQuantizationType
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    path: Path
+    version: int
+    metadata: dict[str, Any]  # scalars as Python values, numeric arrays as numpy, string arrays as lists
+    tensors: dict[str, GGUFTensorInfo]
+    data: np.ndarray  # the whole file, uint8, memory-mapped copy-on-write
+
+    def raw(self, name: str) -> np.ndarray:
+        """The bytes of tensor `name` (a view into the mapping, no copy)."""
+        t = self.tensors[name]
+        return self.data[t.offset : t.offset + t.nbytes]
+
+    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        t = self.tensors[name]
+        return dequantize(self.raw(name), t.qtype, t.shape, dtype)
+
+
+def read_gguf(path: Path) -> GGUFFile:
+    """Parse the header of a GGUF file and memory-map its tensor data."""
+    try:
+        with open(path, "rb") as fh:
+            # ACCESS_COPY: writable pages (so torch.from_numpy does not warn) that never reach the file.
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError) as e:  # ValueError: empty file
+        raise ModelLoadError(f"{path}: cannot read GGUF file: {e}") from e
+    try:
+        return _parse(Path(path), mm)
+    except (struct.error, UnicodeDecodeError, IndexError) as e:
+        raise ModelLoadError(f"{path}: malformed or truncated GGUF header ({e})") from e
+
+
+def _parse(path: Path, mm: mmap.mmap) -> GGUFFile:
+    if mm[:4] != b"GGUF":
+        raise ModelLoadError(f"{path}: not a GGUF file (magic {mm[:4]!r})")
+    (version,) = _U32.unpack_from(mm, 4)
+    if version & 0xFFFF == 0:  # a byte-swapped small number
+        raise ModelLoadError(f"{path}: big-endian GGUF files are not supported")
+    if version not in (2, 3):
+        raise ModelLoadError(f"{path}: unsupported GGUF version {version}")
+    n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
+    off = 24
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key, off = _read_str(mm, off)
+        (vtype,) = _U32.unpack_from(mm, off)
+        metadata[key], off = _read_value(mm, off + 4, vtype)
+
+    infos: list[tuple[str, tuple[int, ...], int, int]] = []
+    for _ in range(n_tensors):
+        name, off = _read_str(mm, off)
+        (n_dims,) = _U32.unpack_from(mm, off)
+        dims = struct.unpack_from(f"<{n_dims}Q", mm, off + 4)
+        qtype_id, rel = struct.unpack_from("<IQ", mm, off + 4 + 8 * n_dims)
+        off += 4 + 8 * n_dims + 12
+        infos.append((name, tuple(int(d) for d in reversed(dims)), qtype_id, rel))
+
+    alignment = int(metadata.get("general.alignment", 32))
+    data_start = -(-off // alignment) * alignment
+    tensors: dict[str, GGUFTensorInfo] = {}
+    for name, shape, qtype_id, rel in infos:
+        try:
+            qtype = GGMLQuantizationType(qtype_id)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: tensor {name!r} has unknown ggml type id {qtype_id}") from e
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        n_elements = math.prod(shape)
+        nbytes = n_elements // block_size * type_size
+        start = data_start + rel
+        if start + nbytes > len(mm):
+            raise ModelLoadError(f"{path}: tensor {name!r} lies past the end of the file (truncated?)")
+        tensors[name] = GGUFTensorInfo(name, shape, qtype, start, nbytes)
+    data = np.frombuffer(mm, dtype=np.uint8)
+    return GGUFFile(path, version, metadata, tensors, data)
+
+
+def _read_str(mm: mmap.mmap, off: int) -> tuple[str, int]:
+    (n,) = _U64.unpack_from(mm, off)
+    end = off + 8 + n
+    return mm[off + 8 : end].decode("utf-8", errors="replace"), end
+
+
+def _read_value(mm: mmap.mmap, off: int, vtype: int) -> tuple[Any, int]:
+    if vtype == GGUFValueType.STRING:
+        return _read_str(mm, off)
+    if vtype == GGUFValueType.ARRAY:
+        itype, count = struct.unpack_from("<IQ", mm, off)
+        off += 12
+        if itype in _SCALAR_FORMATS:
+            dt = np.dtype(_SCALAR_FORMATS[itype])
+            arr = np.frombuffer(mm, dtype=dt, count=count, offset=off).copy()
+            return arr, off + count * dt.itemsize
+        items: list[Any] = []
+        for _ in range(count):  # strings (tokens, merges) and nested arrays
+            item, off = _read_value(mm, off, itype)
+            items.append(item)
+        return items, off
+    fmt = _SCALAR_FORMATS.get(vtype)
+    if fmt is None:
+        raise ModelLoadError(f"unknown GGUF metadata value type {vtype}")
+    (value,) = struct.unpack_from(fmt, mm, off)
+    return value, off + struct.calcsize(fmt)
+
+
+# --- the config --------------------------------------------------------------------------------------
+
+
+def config_from_gguf(f: GGUFFile) -> ModelConfig:
+    """ModelConfig from `{arch}.*` metadata; raises UnsupportedArchitecture for other model families."""
+    md = f.metadata
+    arch = str(md.get("general.architecture", "<missing general.architecture>"))
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"unsupported GGUF architecture {arch!r}; tokenloom reads {', '.join(sorted(GGUF_ARCHITECTURES))}"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        value = md.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"{f.path}: GGUF metadata {arch}.{name} is missing")
+        return value
+
+    hidden = int(key("embedding_length"))
+    n_heads = int(key("attention.head_count"))
+    n_kv = _uniform(key("attention.head_count_kv", n_heads), f"{arch}.attention.head_count_kv")
+    head_dim = int(md.get(f"{arch}.attention.key_length", hidden // n_heads))
+    rope_dim = int(md.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise UnsupportedArchitecture(f"{arch}: partial rotary embedding (rope dim {rope_dim} of head dim {head_dim})")
+    theta = float(md.get(f"{arch}.rope.freq_base", 10000.0))
+    context = int(key("context_length"))
+
+    embed = f.tensors.get("token_embd.weight")
+    tokens = md.get("tokenizer.ggml.tokens")
+    vocab = embed.shape[0] if embed is not None else len(tokens or ())
+    if not vocab:
+        raise ModelLoadError(f"{f.path}: no token_embd.weight tensor and no token list")
+    eos = [md.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    bos = md.get("tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv,
+        head_dim=head_dim,
+        max_position_embeddings=context,
+        rms_norm_eps=float(md.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(f, arch, theta, head_dim),
+        tie_word_embeddings="output.weight" not in f.tensors,
+        attention_bias="blk.0.attn_q.bias" in f.tensors,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
+    )
+
+
+def _uniform(value: Any, name: str) -> int:
+    """A per-layer array must hold one value (tokenloom has no per-layer head counts)."""
+    values = {int(v) for v in np.atleast_1d(value)}
+    if len(values) != 1:
+        raise UnsupportedArchitecture(f"{name} differs between layers ({sorted(values)})")
+    return values.pop()
+
+
+def _rope_scaling(f: GGUFFile, arch: str, theta: float, head_dim: int) -> RopeScaling:
+    md = f.metadata
+    kind = str(md.get(f"{arch}.rope.scaling.type", "none"))
+    factor = float(md.get(f"{arch}.rope.scaling.factor", 1.0))
+    orig = md.get(f"{arch}.rope.scaling.original_context_length")
+    if "rope_freqs.weight" in f.tensors:  # Llama 3.1+: the per-frequency divisors as a tensor
+        if kind not in ("none", "linear") or factor != 1.0:
+            raise UnsupportedArchitecture(f"{arch}: rope_freqs tensor together with rope scaling {kind!r}")
+        return _llama3_scaling(f.tensor("rope_freqs.weight"), theta, head_dim)
+    if kind == "none" or (kind == "linear" and factor == 1.0):
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=factor)
+    if kind == "yarn":
+        return RopeScaling(
+            kind="yarn",
+            factor=factor,
+            original_max_position_embeddings=int(orig) if orig else None,
+            beta_fast=float(md.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(md.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+        )
+    raise UnsupportedArchitecture(f"{arch}: unsupported rope scaling type {kind!r}")
+
+
+def _llama3_scaling(freq_factors: torch.Tensor, theta: float, head_dim: int) -> RopeScaling:
+    """Recover Llama 3.1's `rope_scaling` from the divisors llama.cpp's converter wrote.
+
+    The converter computes them from (factor, low_freq_factor, high_freq_factor, original context);
+    only `factor` can be read back directly (the largest divisor), so the others are taken as the
+    values every Llama 3.x release uses, and the whole curve is checked against the file.
+    """
+    factor, low, high, orig = float(freq_factors.max()), 1.0, 4.0, 8192
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (orig / wavelen - low) / (high - low)
+    expected = torch.where(
+        wavelen < orig / high,
+        torch.ones_like(wavelen),
+        torch.where(wavelen > orig / low, torch.full_like(wavelen, factor), 1 / ((1 - smooth) / factor + smooth)),
+    )
+    if freq_factors.shape != expected.shape or not torch.allclose(freq_factors.double(), expected, rtol=1e-4):
+        raise UnsupportedArchitecture("rope_freqs tensor does not match Llama 3 rope scaling")
+    return RopeScaling(
+        kind="llama3", factor=factor, original_max_position_embeddings=orig, low_freq_factor=low, high_freq_factor=high
+    )
+
+
+# --- the weights -------------------------------------------------------------------------------------
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_CONSUMED = {"rope_freqs.weight"}  # read into the config, not a weight
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """llama.cpp tensor name -> HF name (None for names the llama/qwen2 families do not have)."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_TENSORS:
+        return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}"
+    return None
+
+
+def state_dict_from_gguf(f: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    arch = str(f.metadata["general.architecture"])
+    heads = {".attn_q.": config.num_attention_heads, ".attn_k.": config.num_key_value_heads}
+    jobs: list[tuple[str, int | None]] = []  # (GGUF name, heads whose RoPE rows to un-permute)
+    names: list[str] = []
+    for name in f.tensors:
+        if name in _CONSUMED:
+            continue
+        hf_name = hf_tensor_name(name)
+        if hf_name is None:
+            raise UnsupportedArchitecture(f"{arch} GGUF has tensor {name!r}, which tokenloom's {arch} model lacks")
+        permute = next((n for part, n in heads.items() if part in name), None) if arch in _ROPE_PERMUTED else None
+        jobs.append((name, permute))
+        names.append(hf_name)
+
+    def load(job: tuple[str, int | None]) -> torch.Tensor:
+        name, permute = job
+        w = f.tensor(name, dtype)
+        return w if permute is None else _unpermute_rope_rows(w, permute)
+
+    out = dict(zip(names, _map_single_threaded(load, jobs)))
+    _check_complete(out, config, f.path)
+    return out
+
+
+def _map_single_threaded(fn: Callable[[_T], torch.Tensor], items: list[_T]) -> list[torch.Tensor]:
+    """`map(fn, items)` on `torch.get_num_threads()` worker threads, each limited to one intra-op thread.
+
+    Dequantizing is hundreds of small memory-bound ops. Under torch's own (OpenMP) parallelism every
+    op ends in a thread barrier, and when another process competes for the cores each barrier can
+    wait out a scheduler slice: SmolLM2 took 3-14 s instead of 0.4 s. Whole tensors on independent
+    single-threaded workers need no barriers, and torch releases the GIL inside its ops.
+    """
+    workers = torch.get_num_threads()
+    if workers <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    try:
+        with ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            return list(pool.map(fn, items))
+    finally:
+        # set_num_threads also stores a process-wide default that threads started later pick up;
+        # put it back so only the workers ever ran single-threaded.
+        torch.set_num_threads(workers)
+
+
+def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (as transformers' `_reverse_permute_weights` does).
+
+    HF rotates the two halves of each head (row i pairs with i + d/2); GGML's RoPE rotates adjacent
+    rows (2i, 2i+1), so the converter interleaved the halves. Rows: (heads, 2, d/2) <- (heads, d/2, 2).
+    """
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _check_complete(sd: dict[str, torch.Tensor], config: ModelConfig, path: Path) -> None:
+    needed = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        needed.append("lm_head.weight")
+    per_layer = [v for k, v in _LAYER_TENSORS.items() if not k.endswith(".bias")]
+    if config.attention_bias:
+        per_layer += [v for k, v in _LAYER_TENSORS.items() if k.endswith(".bias")]
+    needed += [f"model.layers.{i}.{n}" for i in range(config.num_hidden_layers) for n in per_layer]
+    missing = [n for n in needed if n not in sd]
+    if missing:
+        raise ModelLoadError(f"{path}: GGUF lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+# --- the tokenizer -----------------------------------------------------------------------------------
+# Rebuilt the way transformers' GGUF converter does (integrations/gguf/gguf_tokenizer_mapping.py with
+# GPT2Tokenizer / LlamaTokenizer), so ids, decoding and special-token handling agree with it.
+
+# `tokenizer.ggml.pre` -> the split regex its merges were learned with. Other values (e.g. "smollm",
+# "default", "gpt2") keep GPT-2's own ByteLevel regex.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS: dict[str, str] = {
+    **dict.fromkeys(
+        ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+         "jina-v5-nano", "dbrx", "smaug-bpe"],
+        _LLAMA3_SPLIT,
+    ),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"], _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], _GPT4O_SPLIT),
+}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (the alphabet byte-level BPE vocabularies are spelled in)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+_BYTE_CHARS = _bytes_to_unicode()
+_BYTE_ALPHABET = frozenset(_BYTE_CHARS.values())
+
+
+def tokenizer_from_gguf(f: GGUFFile) -> Tokenizer:
+    md = f.metadata
+    kind = md.get("tokenizer.ggml.model")
+    tokens: list[str] | None = md.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ModelLoadError(f"{f.path}: GGUF has no tokenizer (tokenizer.ggml.tokens)")
+    merges = [_split_merge(m) for m in md.get("tokenizer.ggml.merges", ())]
+    if kind == "gpt2":
+        backend = _byte_level_bpe(tokens, merges, md.get("tokenizer.ggml.pre"))
+    elif kind == "llama":
+        if not merges:  # llama.cpp writes scores, not merges, for sentencepiece vocabularies
+            merges = _merges_from_scores(tokens, _scores(md, len(tokens)))
+        backend = _sentencepiece_bpe(tokens, merges)
+    else:
+        raise UnsupportedArchitecture(f"unsupported GGUF tokenizer model {kind!r}; tokenloom reads gpt2, llama")
+
+    def special(k: str) -> str | None:
+        i = md.get(f"tokenizer.ggml.{k}_token_id")
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    bos, eos = special("bos"), special("eos")
+    _add_special_tokens(backend, tokens, md.get("tokenizer.ggml.token_type"), kind == "gpt2",
+                        [t for t in (special("unknown"), bos, eos, special("padding")) if t is not None])
+    # llama.cpp prepends BOS to a sentencepiece vocabulary unless the file says otherwise.
+    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", kind == "llama")) and bos is not None
+    add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    backend.post_processor = _template(backend, bos if add_bos else None, eos if add_eos else None)
+    eos_id = md.get("tokenizer.ggml.eos_token_id")
+    extra = [md.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+    return Tokenizer(
+        backend=backend,
+        bos_token=bos,
+        eos_token=eos,
+        eos_token_ids=tuple(dict.fromkeys(int(i) for i in extra if i is not None and i != eos_id)),
+        chat_template=md.get("tokenizer.chat_template"),
+        add_bos_token=add_bos,
+    )
+
+
+def _split_merge(merge: str) -> tuple[str, str]:
+    left, _, right = merge.partition(" ")
+    return left, right
+
+
+def _scores(md: dict[str, Any], n: int) -> list[float]:
+    scores = md.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != n:
+        raise ModelLoadError("sentencepiece GGUF vocabulary has neither merges nor one score per token")
+    return [float(s) for s in scores]
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[tuple[str, str]], pre: str | None) -> HFTokenizer:
+    """GPT-2 style BPE over bytes; tokens outside the byte alphabet (raw text in some files) are respelled."""
+    vocab = {
+        t if _BYTE_ALPHABET.issuperset(t) else "".join(_BYTE_CHARS[b] for b in t.encode("utf-8")): i
+        for i, t in enumerate(tokens)
+    }
+    tok = HFTokenizer(
+        models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                   end_of_word_suffix="", fuse_unk=False)
+    )
+    split = PRE_TOKENIZER_SPLITS.get(pre or "")
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(tokens: list[str], merges: list[tuple[str, str]]) -> HFTokenizer:
+    """SentencePiece BPE: `▁` for spaces (one prepended to the text), `<0xNN>` byte-fallback tokens."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return tok
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """Every split of a token into two vocabulary tokens is a merge, ranked by the token's score
+    (best first), ties by the pieces' lengths -- transformers' `generate_merges`, step for step."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked: list[tuple[str, str, float]] = []
+    for token, score in dict(zip(tokens, scores)).items():
+        local = [(token[:k], token[k:], score) for k in range(1, len(token))
+                 if token[:k] in vocab and token[k:] in vocab]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        ranked.extend(local)
+    ranked.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in ranked]
+
+
+def _add_special_tokens(
+    tok: HFTokenizer, tokens: list[str], token_types: np.ndarray | None, byte_level: bool, named: list[str]
+) -> None:
+    """Match whole in text, never split: bos/eos/unk/pad and CONTROL tokens as special (dropped by
+    `decode(skip_special_tokens=True)`), USER_DEFINED ones (e.g. `<think>`) as plain added tokens.
+
+    A CONTROL token outside the byte alphabet in a byte-level vocabulary is a llama.cpp mislabel and
+    is skipped, as transformers does.
+    """
+    types = np.asarray(token_types if token_types is not None else [], dtype=np.int64)
+    control = [tokens[i] for i in np.flatnonzero(types == TokenType.CONTROL)]
+    if byte_level:
+        control = [t for t in control if _BYTE_ALPHABET.issuperset(t)]
+    vocab = tok.get_vocab()
+    specials = list(dict.fromkeys([t for t in named if t in vocab] + control))
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
+    user = [tokens[i] for i in np.flatnonzero(types == TokenType.USER_DEFINED) if tokens[i] in vocab]
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+
+
+def _template(tok: HFTokenizer, bos: str | None, eos: str | None) -> processors.TemplateProcessing:
+    """BOS/EOS around each sequence, as transformers' `update_post_processor` writes it."""
+    pre = f"{bos}:0 " if bos else ""
+    post = f" {eos}:0" if eos else ""
+    single = f"{pre}$A:0{post}"
+    pair = f"{single}{f' {bos}:1' if bos else ''} $B:1{f' {eos}:1' if eos else ''}"
+    specials = [(t, tok.token_to_id(t)) for t in (bos, eos) if t]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
