@@ -58,3 +58,17 @@ def test_bfloat16_default_answers_too(smollm2_gguf: Path) -> None:
     assert llm.engine.loaded.dtype is torch.bfloat16 and llm.engine.model_name == "SmolLM2-135M-Instruct"
     text = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0].text
     assert "Paris" in text
+
+
+def test_cli_generate_streams_an_answer() -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenloom.cli", "generate", "What is the capital of France?", "--max-tokens", "30",
+         "--kv-cache-memory", "64MiB", "--max-model-len", "512"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "max concurrency at max_model_len=512" in r.stderr  # the capacity report

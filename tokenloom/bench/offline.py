@@ -138,6 +138,23 @@ class HFRunner:
 
 
 def run_offline_bench(args: argparse.Namespace) -> int:
+    bw = copy_bandwidth_gbs()
+    res: dict[str, dict[str, float]] = {"tokenloom": {}, "transformers": {}}
+    # One system at a time: the engine (and its KV cache) is freed before transformers loads.
+    path, dtype, prompts = _measure_tokenloom(args, bw, res["tokenloom"])
+    if not args.skip_hf:
+        _measure_transformers(args, path, dtype, prompts, res["transformers"])
+    _print_table(res, args)
+    if args.out:
+        meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                "copy_bandwidth_gbs": bw, "date": time.strftime("%Y-%m-%d"), "repeats": args.repeats}
+        args.out.write_text(json.dumps({"meta": meta, "results": res}, indent=2))
+    return 0
+
+
+def _measure_tokenloom(
+    args: argparse.Namespace, bw: float, t: dict[str, float]
+) -> tuple[Path, torch.dtype, tuple[list[int], list[list[int]], list[int]]]:
     r = args.repeats
     tl = TokenloomRunner(args)
     eng = tl.llm.engine
@@ -145,31 +162,28 @@ def run_offline_bench(args: argparse.Namespace) -> int:
     short = exact_prompts(tok, 1, 16, tl.vocab)[0]
     batch = exact_prompts(tok, args.batch_prompts, args.batch_input_len, tl.vocab)
     long_prompt = exact_prompts(tok, 1, args.prefill_len, tl.vocab)[0]
-    bw = copy_bandwidth_gbs()
     print(f"model {eng.model_name} ({eng.loaded.dtype}), weights {tl.weight_bytes / 1e6:.0f} MB, "
-          f"threads {torch.get_num_threads()}, copy bandwidth {bw:.1f} GB/s")
+          f"threads {torch.get_num_threads()}, copy bandwidth {bw:.1f} GB/s, attention {eng.backend.name}")
     print(eng.capacity.describe())
     tl.decode(short, 16)  # warm-up
-    res: dict[str, dict[str, float]] = {"tokenloom": {}, "transformers": {}}
-    t = res["tokenloom"]
     t["decode_tok_s"] = median_of(r, lambda: tl.decode(short, args.decode_tokens))
     t["batch_out_tok_s"] = median_of(r, lambda: tl.throughput(batch, args.batch_output_len))
     t["prefill_tok_s"] = median_of(r, lambda: tl.prefill(long_prompt))
     t["decode_bandwidth_fraction"] = tl.weight_bytes * t["decode_tok_s"] / (bw * 1e9)
-    del tl
-    if not args.skip_hf:
-        hf = HFRunner(eng.loaded.path, eng.loaded.dtype)
-        hf.decode(short, 8)
-        h = res["transformers"]
-        h["decode_tok_s"] = median_of(r, lambda: hf.decode(short, args.decode_tokens))
-        h["batch_out_tok_s"] = median_of(r, lambda: hf.throughput(batch, args.batch_output_len, args.hf_batch_size))
-        h["prefill_tok_s"] = median_of(r, lambda: hf.prefill(long_prompt))
-    _print_table(res, args)
-    if args.out:
-        meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                "copy_bandwidth_gbs": bw, "date": time.strftime("%Y-%m-%d"), "repeats": r}
-        args.out.write_text(json.dumps({"meta": meta, "results": res}, indent=2))
-    return 0
+    return eng.loaded.path, eng.loaded.dtype, (short, batch, long_prompt)
+
+
+def _measure_transformers(
+    args: argparse.Namespace, path: Path, dtype: torch.dtype,
+    prompts: tuple[list[int], list[list[int]], list[int]], h: dict[str, float],
+) -> None:
+    r = args.repeats
+    short, batch, long_prompt = prompts
+    hf = HFRunner(path, dtype)
+    hf.decode(short, 8)  # warm-up
+    h["decode_tok_s"] = median_of(r, lambda: hf.decode(short, args.decode_tokens))
+    h["batch_out_tok_s"] = median_of(r, lambda: hf.throughput(batch, args.batch_output_len, args.hf_batch_size))
+    h["prefill_tok_s"] = median_of(r, lambda: hf.prefill(long_prompt))
 
 
 def _print_table(res: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
