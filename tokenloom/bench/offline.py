@@ -105,11 +105,10 @@ class HFRunner:
     def __init__(self, path: Path, dtype: torch.dtype) -> None:
         import transformers
 
-        kw: dict[str, Any] = {"dtype": dtype}
         if path.is_file():
-            self.model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kw)
+            self.model = _hf_from_gguf(path, dtype)
         else:
-            self.model = transformers.AutoModelForCausalLM.from_pretrained(path, **kw)
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         self.model.eval()
 
     @torch.inference_mode()
@@ -135,6 +134,35 @@ class HFRunner:
         t = time.perf_counter()
         self.model(torch.tensor([prompt]))
         return len(prompt) / (time.perf_counter() - t)
+
+
+def _hf_from_gguf(path: Path, dtype: torch.dtype) -> Any:
+    """transformers' Llama with the very weights tokenloom runs: dense, in `dtype`.
+
+    (transformers 5 loading a GGUF itself keeps the Q4_1 blocks packed and computes in float32, which
+    is a different workload from the dense bfloat16 model both should run here.)
+    """
+    import transformers
+
+    from tokenloom.models.gguf import load_gguf
+
+    cfg, state, _ = load_gguf(path, dtype)
+    if cfg.architecture != "LlamaForCausalLM":
+        raise ValueError(f"the transformers baseline for GGUF files covers Llama only, not {cfg.architecture}")
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings,
+    )
+    model = transformers.LlamaForCausalLM(hf_cfg).to(dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+        raise ValueError(f"weights do not fit transformers' Llama: missing {missing}, unexpected {unexpected}")
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model
 
 
 def run_offline_bench(args: argparse.Namespace) -> int:
