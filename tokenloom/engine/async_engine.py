@@ -1,0 +1,181 @@
+"""AsyncLLMEngine: the engine loop in its own thread, streams handed to asyncio callers.
+
+HTTP handlers (or any asyncio code) call `generate(...)` and iterate delta outputs. The loop thread owns
+the LLMEngine: it applies queued adds/aborts between steps, runs `step()`, and posts each output to the
+caller's asyncio queue. HTTP work therefore never starves the engine, and the engine never blocks the
+event loop. Leaving the iteration early (a client disconnect) aborts the request and frees its blocks.
+If a step raises, the engine is marked dead: every stream ends with `EngineDead` and new requests fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from tokenloom.config import EngineConfig
+from tokenloom.engine.engine import LLMEngine
+from tokenloom.errors import EngineDead, InvalidRequest, Overloaded
+from tokenloom.outputs import RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+log = logging.getLogger("tokenloom.async_engine")
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    priority: int
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+        """`max_waiting`: how many requests may wait beyond the `max_num_seqs` that run at once; more are
+        refused with Overloaded (the HTTP layer's 429)."""
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams and _dead across the two threads
+        self._dead: BaseException | None = None
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="tokenloom-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, max_waiting: int | None = None) -> "AsyncLLMEngine":
+        return cls(LLMEngine(config), max_waiting)
+
+    # -- caller side (any thread with an asyncio loop) --------------------------------------------
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield delta outputs until the request finishes. Validation errors raise before anything runs."""
+        if not self.is_alive:
+            raise EngineDead(f"the engine is not running ({self._dead!r})")
+        self.engine.validate_prompt(prompt_token_ids, params)  # read-only: safe from this thread
+        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        with self._lock:
+            if rid in self._streams:
+                raise InvalidRequest(f"request id {rid!r} is already in use", "request_id")
+            running = len(self._streams)
+            if self.max_waiting is not None and running - self.engine.config.max_num_seqs >= self.max_waiting:
+                raise Overloaded(f"{running} requests in flight; the queue of {self.max_waiting} is full")
+            self._streams[rid] = (asyncio.get_running_loop(), q)
+        self._inbox.put(_Add(rid, list(prompt_token_ids), params, prompt, priority))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+        self._inbox.put(_Abort(request_id))
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the loop thread: in-flight requests are aborted and their streams end with EngineDead."""
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    # -- engine thread ------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                # Block for work only when the engine is idle; otherwise just drain what has arrived.
+                block = not self.engine.has_unfinished_requests()
+                while True:
+                    try:
+                        cmd = self._inbox.get(block=block)
+                    except queue.Empty:
+                        break
+                    block = False
+                    if cmd is None:
+                        self._fail(EngineDead("the engine was shut down"))
+                        return
+                    self._apply(cmd)
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._post(out.request_id, out)
+        except BaseException as e:  # noqa: BLE001 - any failure kills the engine; callers must hear of it
+            log.exception("engine loop died")
+            self._fail(EngineDead(f"the engine loop died: {e!r}"))
+
+    def _apply(self, cmd: _Add | _Abort) -> None:
+        if isinstance(cmd, _Abort):
+            self.engine.abort_request(cmd.request_id)
+            return
+        with self._lock:
+            wanted = cmd.request_id in self._streams
+        if not wanted:  # aborted before it was ever queued
+            return
+        try:
+            self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.prompt, cmd.priority)
+        except Exception as e:  # a request the engine refuses fails alone
+            self._post(cmd.request_id, e)
+
+    def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+            if stream is not None and (isinstance(item, BaseException) or item.finished):
+                del self._streams[request_id]
+        if stream is None:
+            return
+        loop, q = stream
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            pass
+
+    def _fail(self, err: BaseException) -> None:
+        with self._lock:
+            self._dead = err
+            streams = list(self._streams.items())
+            self._streams.clear()
+        for rid, (loop, q) in streams:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, err)
+            except RuntimeError:
+                pass
+            self.engine.abort_request(rid)
