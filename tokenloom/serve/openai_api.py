@@ -1,0 +1,269 @@
+"""The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions (JSON or SSE streams)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from tokenloom.engine.async_engine import AsyncLLMEngine
+from tokenloom.errors import ContextTooLong, InvalidRequest
+from tokenloom.outputs import RequestMetrics, RequestOutput
+from tokenloom.sampling_params import SamplingParams
+from tokenloom.serve.errors import ModelNotFound, error_response
+from tokenloom.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter()
+
+
+def _state(request: Request) -> tuple[AsyncLLMEngine, str]:
+    return request.app.state.engine, request.app.state.model_name
+
+
+def _check_model(name: str, served: str) -> None:
+    if name != served:
+        raise ModelNotFound(name)
+
+
+def _resolve_max_tokens(engine: AsyncLLMEngine, prompt_len: int, asked: int | None) -> int:
+    limit = engine.engine.max_model_len
+    if prompt_len >= limit:
+        raise ContextTooLong(f"the prompt has {prompt_len} tokens; max_model_len is {limit}", "prompt")
+    if asked is None:
+        return limit - prompt_len
+    if prompt_len + asked > limit:
+        raise ContextTooLong(
+            f"prompt ({prompt_len} tokens) + max_tokens ({asked}) = {prompt_len + asked} exceeds "
+            f"max_model_len ({limit})", "max_tokens",
+        )
+    return asked
+
+
+def _timing(m: RequestMetrics | None) -> dict[str, float | None] | None:
+    if m is None:
+        return None
+    return {"queue_time": m.queue_time, "time_to_first_token": m.time_to_first_token,
+            "prefill_time": m.prefill_time, "decode_time": m.decode_time, "e2e_latency": m.e2e_latency}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    _, name = _state(request)
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "tokenloom"}]}
+
+
+async def _run(
+    engine: AsyncLLMEngine, prompts: list[list[int]], params: list[SamplingParams], texts: list[str | None]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Merge the delta streams of several prompts: yields (prompt index, delta)."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for out in engine.generate(prompts[i], params[i], prompt=texts[i]):
+                await queue.put((i, out))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, e))
+            return
+        await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+    try:
+        remaining = len(prompts)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    engine, served = _state(request)
+    _check_model(body.model, served)
+    tok = engine.engine.tokenizer
+    p = body.prompt
+    if isinstance(p, str):
+        raw: list[str | list[int]] = [p]
+    elif p and all(isinstance(t, int) for t in p):
+        raw = [p]  # type: ignore[list-item]
+    else:
+        raw = list(p)  # type: ignore[arg-type]
+    if not raw:
+        raise InvalidRequest("prompt must not be empty", "prompt")
+    texts = [r if isinstance(r, str) else None for r in raw]
+    prompts = [tok.encode(r) if isinstance(r, str) else list(r) for r in raw]
+    params = []
+    for ids in prompts:
+        if not ids:
+            raise InvalidRequest("prompt must not be empty", "prompt")
+        params.append(body.sampling_params(_resolve_max_tokens(engine, len(ids), body.max_tokens), body.logprobs))
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    n = body.n
+    base = {"id": rid, "object": "text_completion", "created": created, "model": served}
+    stream = _run(engine, prompts, params, texts)
+    if body.stream:
+        first = await _first(stream)  # errors before the first token become HTTP errors
+        return StreamingResponse(_completion_sse(first, stream, base, body, prompts, n, tok), media_type="text/event-stream")
+    choices: dict[int, dict[str, Any]] = {}
+    usage_out = 0
+    timing = None
+    async for i, out in stream:
+        for c in out.outputs:
+            idx = i * n + c.index
+            ch = choices.setdefault(idx, {"index": idx, "text": texts[i] if body.echo and texts[i] else "",
+                                          "logprobs": None, "finish_reason": None, "_lp": []})
+            ch["text"] += c.text
+            usage_out += len(c.token_ids)
+            if c.logprobs:
+                ch["_lp"].extend(c.logprobs)
+            if c.finish_reason:
+                ch["finish_reason"] = c.finish_reason
+        timing = _timing(out.metrics)
+    result = [choices[k] for k in sorted(choices)]
+    for ch in result:
+        lps = ch.pop("_lp")
+        if body.logprobs is not None:
+            ch["logprobs"] = _completion_logprobs(lps, tok)
+    prompt_tokens = sum(len(ids) for ids in prompts)
+    return {**base, "choices": result, "metrics": timing,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": usage_out, "total_tokens": prompt_tokens + usage_out}}
+
+
+def _completion_logprobs(lps: list[Any], tok: Any) -> dict[str, Any]:
+    return {
+        "tokens": [tok.decode([lp.token_id], skip_special_tokens=False) for lp in lps],
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{tok.decode([t], skip_special_tokens=False): v for t, v in lp.top.items()} for lp in lps],
+        "text_offset": [],
+    }
+
+
+async def _first(stream: AsyncIterator[tuple[int, RequestOutput]]) -> tuple[int, RequestOutput] | None:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _completion_sse(first: Any, stream: AsyncIterator[tuple[int, RequestOutput]], base: dict[str, Any],
+                          body: CompletionRequest, prompts: list[list[int]], n: int, tok: Any) -> AsyncIterator[str]:
+    completion_tokens = 0
+
+    async def items() -> AsyncIterator[tuple[int, RequestOutput]]:
+        if first is not None:
+            yield first
+        async for x in stream:
+            yield x
+
+    try:
+        async for i, out in items():
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                lp = _completion_logprobs(c.logprobs, tok) if body.logprobs is not None and c.logprobs else None
+                yield _sse({**base, "choices": [{"index": i * n + c.index, "text": c.text, "logprobs": lp,
+                                                 "finish_reason": c.finish_reason}]})
+        if body.stream_options and body.stream_options.include_usage:
+            pt = sum(len(p) for p in prompts)
+            yield _sse({**base, "choices": [], "usage": {"prompt_tokens": pt, "completion_tokens": completion_tokens,
+                                                          "total_tokens": pt + completion_tokens}})
+    except Exception as e:  # noqa: BLE001 - a stream that has started ends with an error event
+        yield _sse(json.loads(error_response(e).body))
+    yield "data: [DONE]\n\n"
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    engine, served = _state(request)
+    _check_model(body.model, served)
+    tok = engine.engine.tokenizer
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    ids = tok.encode_chat(messages, body.add_generation_prompt)
+    asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    top = body.top_logprobs if body.logprobs else None
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+    params = body.sampling_params(_resolve_max_tokens(engine, len(ids), asked), (top or 0) if body.logprobs else None)
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    base = {"id": rid, "created": created, "model": served}
+    stream = _run(engine, [ids], [params], [None])
+    if body.stream:
+        first = await _first(stream)
+        return StreamingResponse(_chat_sse(first, stream, base, body, len(ids), tok), media_type="text/event-stream")
+    choices: dict[int, dict[str, Any]] = {}
+    completion_tokens = 0
+    timing = None
+    async for _, out in stream:
+        for c in out.outputs:
+            ch = choices.setdefault(c.index, {"index": c.index, "message": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None, "_lp": []})
+            ch["message"]["content"] += c.text
+            completion_tokens += len(c.token_ids)
+            if c.logprobs:
+                ch["_lp"].extend(c.logprobs)
+            if c.finish_reason:
+                ch["finish_reason"] = c.finish_reason
+        timing = _timing(out.metrics)
+    result = [choices[k] for k in sorted(choices)]
+    for ch in result:
+        lps = ch.pop("_lp")
+        if body.logprobs:
+            ch["logprobs"] = {"content": _chat_logprobs(lps, tok)}
+    return {**base, "object": "chat.completion", "choices": result, "metrics": timing,
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
+                      "total_tokens": len(ids) + completion_tokens}}
+
+
+def _chat_logprobs(lps: list[Any], tok: Any) -> list[dict[str, Any]]:
+    def entry(t: int, v: float) -> dict[str, Any]:
+        s = tok.decode([t], skip_special_tokens=False)
+        return {"token": s, "logprob": v, "bytes": list(s.encode())}
+
+    return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top.items()]} for lp in lps]
+
+
+async def _chat_sse(first: Any, stream: AsyncIterator[tuple[int, RequestOutput]], base: dict[str, Any],
+                    body: ChatCompletionRequest, prompt_tokens: int, tok: Any) -> AsyncIterator[str]:
+    chunk = {**base, "object": "chat.completion.chunk"}
+    completion_tokens = 0
+    for i in range(body.n):
+        yield _sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]})
+
+    async def items() -> AsyncIterator[tuple[int, RequestOutput]]:
+        if first is not None:
+            yield first
+        async for x in stream:
+            yield x
+
+    try:
+        async for _, out in items():
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                lp = {"content": _chat_logprobs(c.logprobs, tok)} if body.logprobs and c.logprobs else None
+                delta = {"content": c.text} if c.text or not c.finish_reason else {}
+                yield _sse({**chunk, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
+                                                  "finish_reason": c.finish_reason}]})
+        if body.stream_options and body.stream_options.include_usage:
+            yield _sse({**chunk, "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens":
+                                                          completion_tokens, "total_tokens": prompt_tokens + completion_tokens}})
+    except Exception as e:  # noqa: BLE001
+        yield _sse(json.loads(error_response(e).body))
+    yield "data: [DONE]\n\n"
+
