@@ -162,18 +162,22 @@ async def _first(stream: AsyncIterator[tuple[int, RequestOutput]]) -> tuple[int,
         return None
 
 
+async def _chain(
+    first: tuple[int, RequestOutput] | None, stream: AsyncIterator[tuple[int, RequestOutput]]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The stream again, with its already-awaited first item put back in front."""
+    if first is not None:
+        yield first
+    async for x in stream:
+        yield x
+
+
 async def _completion_sse(first: Any, stream: AsyncIterator[tuple[int, RequestOutput]], base: dict[str, Any],
                           body: CompletionRequest, prompts: list[list[int]], n: int, tok: Any) -> AsyncIterator[str]:
     completion_tokens = 0
 
-    async def items() -> AsyncIterator[tuple[int, RequestOutput]]:
-        if first is not None:
-            yield first
-        async for x in stream:
-            yield x
-
     try:
-        async for i, out in items():
+        async for i, out in _chain(first, stream):
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 lp = _completion_logprobs(c.logprobs, tok) if body.logprobs is not None and c.logprobs else None
@@ -246,14 +250,8 @@ async def _chat_sse(first: Any, stream: AsyncIterator[tuple[int, RequestOutput]]
         yield _sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}]})
 
-    async def items() -> AsyncIterator[tuple[int, RequestOutput]]:
-        if first is not None:
-            yield first
-        async for x in stream:
-            yield x
-
     try:
-        async for _, out in items():
+        async for _, out in _chain(first, stream):
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 lp = {"content": _chat_logprobs(c.logprobs, tok)} if body.logprobs and c.logprobs else None
