@@ -78,7 +78,14 @@ def test_cancelled_streams_free_everything(tiny_llama: Path) -> None:
 def test_overload_is_refused(tiny_llama: Path) -> None:
     eng = make(tiny_llama, max_num_seqs=1, max_num_batched_tokens=64, max_waiting=1)
     ids = eng.engine.tokenizer.encode(PROMPTS[0])
-    slow = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    slow = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    real_step = eng.engine.step
+
+    def slow_step() -> list[RequestOutput]:  # 200 tokens take >= 2 s: the first request cannot finish early
+        time.sleep(0.01)
+        return real_step()
+
+    eng.engine.step = slow_step  # type: ignore[method-assign]
 
     async def main() -> None:
         running = eng.generate(ids, slow)

@@ -9,7 +9,7 @@ from typing import Any, Union
 from tokenloom.config import EngineConfig
 from tokenloom.engine.engine import LLMEngine
 from tokenloom.errors import InvalidRequest
-from tokenloom.outputs import CompletionOutput, RequestOutput
+from tokenloom.outputs import CompletionOutput, RequestOutput, merge_delta
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.tokenizer import Message, Tokenizer
 
@@ -58,7 +58,7 @@ class LLM:
         try:
             while len(done) < len(ids_order):
                 for out in self.engine.step():
-                    merged = _merge(acc.get(out.request_id), out)
+                    merged = merge_delta(acc.get(out.request_id), out)
                     acc[out.request_id] = merged
                     if out.finished:
                         done[out.request_id] = merged
@@ -127,24 +127,3 @@ class LLM:
         if isinstance(prompt, list):
             return prompt
         raise InvalidRequest(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
-
-
-def _merge(prev: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
-    """Fold a delta into the accumulated output of the same request."""
-    if prev is None:
-        prev = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], False)
-    by_index = {o.index: o for o in prev.outputs}
-    for d in delta.outputs:
-        cur = by_index.get(d.index)
-        if cur is None:
-            cur = by_index[d.index] = CompletionOutput(d.index, "", [], logprobs=[] if d.logprobs is not None else None)
-        cur.text += d.text
-        cur.token_ids.extend(d.token_ids)
-        if d.logprobs is not None and cur.logprobs is not None:
-            cur.logprobs.extend(d.logprobs)
-        cur.cumulative_logprob = d.cumulative_logprob
-        cur.finish_reason, cur.stop_reason = d.finish_reason, d.stop_reason
-    prev.outputs = [by_index[i] for i in sorted(by_index)]
-    prev.finished = delta.finished
-    prev.metrics = delta.metrics
-    return prev

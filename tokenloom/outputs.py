@@ -47,3 +47,24 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict[str, object] = field(default_factory=dict)
+
+
+def merge_delta(prev: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """Fold a delta into the accumulated output of the same request."""
+    if prev is None:
+        prev = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], False)
+    by_index = {o.index: o for o in prev.outputs}
+    for d in delta.outputs:
+        cur = by_index.get(d.index)
+        if cur is None:
+            cur = by_index[d.index] = CompletionOutput(d.index, "", [], logprobs=[] if d.logprobs is not None else None)
+        cur.text += d.text
+        cur.token_ids.extend(d.token_ids)
+        if d.logprobs is not None and cur.logprobs is not None:
+            cur.logprobs.extend(d.logprobs)
+        cur.cumulative_logprob = d.cumulative_logprob
+        cur.finish_reason, cur.stop_reason = d.finish_reason, d.stop_reason
+    prev.outputs = [by_index[i] for i in sorted(by_index)]
+    prev.finished = delta.finished
+    prev.metrics = delta.metrics
+    return prev

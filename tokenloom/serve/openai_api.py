@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from tokenloom.engine.async_engine import AsyncLLMEngine
 from tokenloom.errors import ContextTooLong, InvalidRequest
-from tokenloom.outputs import RequestMetrics, RequestOutput
+from tokenloom.outputs import RequestMetrics, RequestOutput, merge_delta
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.serve.errors import ModelNotFound, error_response
 from tokenloom.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -89,6 +89,14 @@ async def _run(
             t.cancel()
 
 
+async def _gather(stream: AsyncIterator[tuple[int, RequestOutput]], n_prompts: int) -> list[RequestOutput]:
+    """Fold every prompt's deltas into its complete output (the non-streaming responses)."""
+    acc: dict[int, RequestOutput] = {}
+    async for i, delta in stream:
+        acc[i] = merge_delta(acc.get(i), delta)
+    return [acc[i] for i in range(n_prompts)]
+
+
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -121,26 +129,15 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if body.stream:
         first = await _first(stream)  # errors before the first token become HTTP errors
         return StreamingResponse(_completion_sse(first, stream, base, body, prompts, n, tok), media_type="text/event-stream")
-    choices: dict[int, dict[str, Any]] = {}
-    usage_out = 0
-    timing = None
-    async for i, out in stream:
+    merged = await _gather(stream, len(prompts))
+    result = []
+    for i, out in enumerate(merged):
         for c in out.outputs:
-            idx = i * n + c.index
-            ch = choices.setdefault(idx, {"index": idx, "text": texts[i] if body.echo and texts[i] else "",
-                                          "logprobs": None, "finish_reason": None, "_lp": []})
-            ch["text"] += c.text
-            usage_out += len(c.token_ids)
-            if c.logprobs:
-                ch["_lp"].extend(c.logprobs)
-            if c.finish_reason:
-                ch["finish_reason"] = c.finish_reason
-        timing = _timing(out.metrics)
-    result = [choices[k] for k in sorted(choices)]
-    for ch in result:
-        lps = ch.pop("_lp")
-        if body.logprobs is not None:
-            ch["logprobs"] = _completion_logprobs(lps, tok)
+            text = (texts[i] or "") + c.text if body.echo else c.text
+            lp = _completion_logprobs(c.logprobs or [], tok) if body.logprobs is not None else None
+            result.append({"index": i * n + c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+    usage_out = sum(len(c.token_ids) for out in merged for c in out.outputs)
+    timing = _timing(merged[-1].metrics)
     prompt_tokens = sum(len(ids) for ids in prompts)
     return {**base, "choices": result, "metrics": timing,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": usage_out, "total_tokens": prompt_tokens + usage_out}}
@@ -210,25 +207,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     if body.stream:
         first = await _first(stream)
         return StreamingResponse(_chat_sse(first, stream, base, body, len(ids), tok), media_type="text/event-stream")
-    choices: dict[int, dict[str, Any]] = {}
-    completion_tokens = 0
-    timing = None
-    async for _, out in stream:
-        for c in out.outputs:
-            ch = choices.setdefault(c.index, {"index": c.index, "message": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None, "_lp": []})
-            ch["message"]["content"] += c.text
-            completion_tokens += len(c.token_ids)
-            if c.logprobs:
-                ch["_lp"].extend(c.logprobs)
-            if c.finish_reason:
-                ch["finish_reason"] = c.finish_reason
-        timing = _timing(out.metrics)
-    result = [choices[k] for k in sorted(choices)]
-    for ch in result:
-        lps = ch.pop("_lp")
-        if body.logprobs:
-            ch["logprobs"] = {"content": _chat_logprobs(lps, tok)}
+    (out,) = await _gather(stream, 1)
+    result = []
+    for c in out.outputs:
+        lp = {"content": _chat_logprobs(c.logprobs or [], tok)} if body.logprobs else None
+        result.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                       "finish_reason": c.finish_reason})
+    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+    timing = _timing(out.metrics)
     return {**base, "object": "chat.completion", "choices": result, "metrics": timing,
             "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
                       "total_tokens": len(ids) + completion_tokens}}
