@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,59 @@ def smollm2_gguf() -> Path:
     from tokenloom.models.default import default_model_path
 
     return default_model_path()
+
+
+class LiveServer:
+    """A tokenloom server on 127.0.0.1 (free port) in a background thread."""
+
+    def __init__(self, model_dir: Path, name: str = "tiny", api_key: str | None = None, **engine: object) -> None:
+        import socket
+        import threading
+
+        import uvicorn
+
+        from tokenloom.config import EngineConfig
+        from tokenloom.engine.async_engine import AsyncLLMEngine
+        from tokenloom.engine.engine import LLMEngine
+        from tokenloom.serve.app import build_app
+        from tokenloom.serve.metrics import ServingMetrics
+
+        cfg = dict(model=str(model_dir), dtype="float32", kv_cache_memory="16MiB", max_model_len=256)
+        cfg.update(engine)
+        max_waiting = cfg.pop("max_waiting", None)
+        core = LLMEngine(EngineConfig(**cfg))  # type: ignore[arg-type]
+        self.metrics = ServingMetrics(name)
+        self.engine = AsyncLLMEngine(core, max_waiting=max_waiting, on_step=self.metrics.on_step)  # type: ignore[arg-type]
+        self.name = name
+        app = build_app(self.engine, name, api_key, self.metrics)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        import httpx
+
+        for _ in range(400):
+            try:
+                if httpx.get(self.url + "/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            import time
+
+            time.sleep(0.025)
+        raise RuntimeError("the test server did not start")
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+        self.engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def live_server(tiny_llama: Path) -> "Iterator[LiveServer]":
+    srv = LiveServer(tiny_llama)
+    yield srv
+    srv.close()

@@ -2,47 +2,18 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from tokenloom.config import EngineConfig
-from tokenloom.engine.async_engine import AsyncLLMEngine
-from tokenloom.serve.app import build_app
+from conftest import LiveServer
 
 MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama: Path) -> Iterator[str]:
-    engine = AsyncLLMEngine.from_config(
-        EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory="16MiB", max_model_len=256)
-    )
-    app = build_app(engine, MODEL)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield url
-    srv.should_exit = True
-    thread.join(10)
-    engine.shutdown()
+def server(live_server: LiveServer) -> str:
+    return live_server.url
 
 
 @pytest.fixture()

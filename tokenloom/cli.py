@@ -66,14 +66,22 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tokenloom.engine.async_engine import AsyncLLMEngine
+    from tokenloom.engine.engine import LLMEngine
     from tokenloom.serve.app import build_app
+    from tokenloom.serve.metrics import ServingMetrics
 
-    engine = AsyncLLMEngine.from_config(engine_config(args), max_waiting=args.max_waiting)
-    print(engine.engine.capacity.describe(), file=sys.stderr)
-    name = args.served_model_name or engine.engine.model_name
-    app = build_app(engine, name, args.api_key)
+    core = LLMEngine(engine_config(args))
+    name = args.served_model_name or core.model_name
+    metrics = ServingMetrics(name)
+    engine = AsyncLLMEngine(core, max_waiting=args.max_waiting, on_step=metrics.on_step)
+    print(core.capacity.describe(), file=sys.stderr)
+    logging.getLogger("tokenloom.access").setLevel(logging.INFO)  # one JSON line per request, on stderr
+    app = build_app(engine, name, args.api_key, metrics)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if not args.verbose else "info")
+        # uvicorn handles SIGTERM: it stops accepting, lets in-flight responses finish (bounded by
+        # --graceful-timeout), then returns here and the engine thread is stopped.
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
+                    timeout_graceful_shutdown=args.graceful_timeout)
     finally:
         engine.shutdown()
     return 0
@@ -109,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     srv.add_argument("--served-model-name", default=None, help="the model id clients use (default: from the path)")
     srv.add_argument("--max-waiting", type=int, default=256, help="requests allowed to queue; more get 429")
+    srv.add_argument("--graceful-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     add_engine_args(srv)
     srv.set_defaults(func=_serve)
 

@@ -18,6 +18,7 @@ class RequestMetrics:
     decode_time: float = 0.0  # steps spent producing the later tokens
     e2e_latency: float | None = None  # arrival -> finished
     num_preemptions: int = 0
+    num_output_tokens: int = 0  # of the longest of the request's n completions
 
 
 @dataclass

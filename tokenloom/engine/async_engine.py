@@ -14,7 +14,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from tokenloom.config import EngineConfig
@@ -41,14 +41,17 @@ class _Abort:
 
 
 _Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
+StepHook = Callable[[LLMEngine, list[RequestOutput]], None]  # runs on the engine thread after each step
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None, on_step: StepHook | None = None) -> None:
         """`max_waiting`: how many requests may wait beyond the `max_num_seqs` that run at once; more are
-        refused with Overloaded (the HTTP layer's 429)."""
+        refused with Overloaded (the HTTP layer's 429). `on_step` sees every step's outputs (and the final
+        output of each aborted request): the metrics hook."""
         self.engine = engine
         self.max_waiting = max_waiting
+        self.on_step = on_step
         self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams and _dead across the two threads
@@ -58,8 +61,10 @@ class AsyncLLMEngine:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, max_waiting: int | None = None) -> "AsyncLLMEngine":
-        return cls(LLMEngine(config), max_waiting)
+    def from_config(
+        cls, config: EngineConfig, max_waiting: int | None = None, on_step: StepHook | None = None
+    ) -> "AsyncLLMEngine":
+        return cls(LLMEngine(config), max_waiting, on_step)
 
     # -- caller side (any thread with an asyncio loop) --------------------------------------------
 
@@ -135,16 +140,23 @@ class AsyncLLMEngine:
                         self._fail(EngineDead("the engine was shut down"))
                         return
                     self._apply(cmd)
-                if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        self._post(out.request_id, out)
+                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                for out in outputs:
+                    self._post(out.request_id, out)
+                self._hook(outputs)
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine; callers must hear of it
             log.exception("engine loop died")
             self._fail(EngineDead(f"the engine loop died: {e!r}"))
 
+    def _hook(self, outputs: list[RequestOutput]) -> None:
+        if self.on_step is not None:
+            self.on_step(self.engine, outputs)
+
     def _apply(self, cmd: _Add | _Abort) -> None:
         if isinstance(cmd, _Abort):
-            self.engine.abort_request(cmd.request_id)
+            final = self.engine.abort_request(cmd.request_id)
+            if final is not None:
+                self._hook([final])
             return
         with self._lock:
             wanted = cmd.request_id in self._streams

@@ -263,4 +263,5 @@ def _metrics(req: _Request) -> RequestMetrics:
         decode_time=max(s.times.decode_seconds for s in req.seqs),
         e2e_latency=(max(e for e in ends if e is not None) - req.arrival) if all(e is not None for e in ends) else None,
         num_preemptions=sum(s.num_preemptions for s in req.seqs),
+        num_output_tokens=max(s.num_output_tokens for s in req.seqs),
     )

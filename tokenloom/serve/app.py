@@ -1,53 +1,104 @@
-"""The FastAPI application: routes, API-key check, error mapping, health."""
+"""The FastAPI application: OpenAI and Ollama routes, API-key check, error mapping, health, metrics,
+and one structured access-log line per request."""
 
 from __future__ import annotations
 
 import hmac
+import json
+import logging
+import time
+import uuid
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenloom.engine.async_engine import AsyncLLMEngine
 from tokenloom.errors import TokenloomError
 from tokenloom.serve.errors import Unauthorized, error_body, error_response
+from tokenloom.serve.metrics import ServingMetrics
+from tokenloom.serve.ollama_api import router as ollama_router
 from tokenloom.serve.openai_api import router as openai_router
 
-OPEN_PATHS = frozenset({"/health", "/docs", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/openapi.json"})
+access_log = logging.getLogger("tokenloom.access")
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def _ollama_style(request: Request) -> bool:
+    return request.url.path.startswith("/api/")
+
+
+def _to_ollama(resp: JSONResponse) -> JSONResponse:
+    """Ollama clients expect {"error": "message"} with the same status code."""
+    body = json.loads(resp.body)
+    keep = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
+    return JSONResponse({"error": body["error"]["message"]}, status_code=resp.status_code, headers=keep)
+
+
+def build_app(
+    engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, metrics: ServingMetrics | None = None
+) -> FastAPI:
     app = FastAPI(title="tokenloom", version="0.1.0")
     app.state.engine = engine
     app.state.model_name = model_name
+    app.state.metrics = metrics
     app.include_router(openai_router)
+    app.include_router(ollama_router)
+
+    def fail(request: Request, exc: Exception) -> JSONResponse:
+        resp = error_response(exc)
+        return _to_ollama(resp) if _ollama_style(request) else resp
 
     @app.middleware("http")
-    async def check_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    async def auth_and_log(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        start = time.monotonic()
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
         if api_key is not None and request.url.path not in OPEN_PATHS:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(Unauthorized("missing or wrong API key (Authorization: Bearer ...)"))
-        return await call_next(request)
+                response: Response = fail(request, Unauthorized("missing or wrong API key (Authorization: Bearer ...)"))
+                _log(rid, request, response.status_code, start)
+                return response
+        response = await call_next(request)
+        response.headers["x-request-id"] = rid
+        _log(rid, request, response.status_code, start)
+        return response
 
     @app.exception_handler(TokenloomError)
-    async def tokenloom_error(_: Request, exc: TokenloomError) -> JSONResponse:
-        return error_response(exc)
+    async def tokenloom_error(request: Request, exc: TokenloomError) -> JSONResponse:
+        return fail(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI says 422; the OpenAI API says 400 with the offending field in `param`.
         errs = exc.errors()
         first = errs[0] if errs else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         msg = f"{param or 'body'}: {first.get('msg', 'invalid request body')}"
-        return JSONResponse(error_body(msg, "invalid_request_error", param, 400), status_code=400)
+        resp = JSONResponse(error_body(msg, "invalid_request_error", param, 400), status_code=400)
+        return _to_ollama(resp) if _ollama_style(request) else resp
 
     @app.get("/health")
     async def health() -> Response:
         ok = engine.is_alive
         return JSONResponse({"status": "ok" if ok else "dead"}, status_code=200 if ok else 503)
 
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        if metrics is None:
+            return Response("", media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     return app
+
+
+def _log(rid: str, request: Request, status: int, start: float) -> None:
+    # Streams log when their headers go out; the request's tokens and timing are in /metrics.
+    access_log.info(json.dumps({
+        "request_id": rid, "method": request.method, "path": request.url.path, "status": status,
+        "latency_ms": round((time.monotonic() - start) * 1e3, 2),
+        "client": request.client.host if request.client else None,
+    }))
