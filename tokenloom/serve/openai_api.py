@@ -62,6 +62,10 @@ async def _run(
     engine: AsyncLLMEngine, prompts: list[list[int]], params: list[SamplingParams], texts: list[str | None]
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Merge the delta streams of several prompts: yields (prompt index, delta)."""
+    if len(prompts) == 1:  # the common case: no pump task, no second queue
+        async for out in engine.generate(prompts[0], params[0], prompt=texts[0]):
+            yield 0, out
+        return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int) -> None:

@@ -6,18 +6,25 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 #include <vector>
 
 #include "dtype.h"
 
+// Rows per parallel chunk such that a chunk holds at least ~32k elements. Smaller jobs (a decode
+// step's few rows) run on the calling thread: a 2-thread OpenMP region for microseconds of work costs
+// more than it saves, and stalls whole when another thread of the process (the HTTP event loop)
+// holds one of the cores.
+static inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, (int64_t{1} << 15) / row_elems); }
+
 // normed = weight * round(x * rsqrt(mean(x^2) + eps)), computed in float32.
 // With `residual`: x = round(x + residual) first, and that sum is returned as the new residual.
 template <typename T>
 static void add_rms_norm_kernel(const T* x, const T* res, const T* w, T* out, T* new_res, int64_t rows, int64_t H,
                                 float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_rows(H), [&](int64_t begin, int64_t end) {
     std::vector<float> h(H);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * H;
@@ -63,7 +70,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::
 // (T, 2I) [gate | up] -> (T, I): round(silu(gate)) * up, as F.silu(gate) * up does in T.
 template <typename T>
 static void silu_and_mul_kernel(const T* in, T* out, int64_t rows, int64_t I) {
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(I);
     float* __restrict__ f = buf.data();
     for (int64_t r = begin; r < end; ++r) {
@@ -98,7 +105,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 template <typename T>
 static void rope_kernel(T* x, int64_t row_stride, const T* cos, const T* sin, int64_t tokens, int64_t H, int64_t D) {
   const int64_t half = D / 2;
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, grain_rows(H * D), [&](int64_t begin, int64_t end) {
     std::vector<float> c(D), s(D), a(half), b(half);
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t i = 0; i < D; ++i) {
