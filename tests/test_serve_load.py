@@ -164,3 +164,92 @@ def test_fuzz_no_500_no_hang(live_server: LiveServer, path: str, body: dict[str,
     if r.status_code >= 400:
         err = r.json()["error"]
         assert err if path.startswith("/api/") else err["message"]
+
+
+def test_access_log_line_has_request_id_status_tokens_latency(live_server: LiveServer, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="tokenloom.access"):
+        body = {"model": "tiny", "prompt": "log me", "max_tokens": 5, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", live_server.url + "/v1/completions", json=body,
+                          headers={"x-request-id": "req-abc"}) as r:
+            assert r.headers["x-request-id"] == "req-abc"
+            list(r.iter_lines())
+        deadline = time.monotonic() + 5
+        lines: list[dict[str, object]] = []
+        while time.monotonic() < deadline and not lines:
+            lines = [json.loads(rec.getMessage()) for rec in caplog.records
+                     if rec.name == "tokenloom.access" and "req-abc" in rec.getMessage()]
+            time.sleep(0.02)
+    assert lines, "no access log line"
+    line = lines[0]
+    assert line["status"] == 200 and line["completion_tokens"] == 5 and line["prompt_tokens"] > 0
+    assert line["latency_ms"] > 0 and line["path"] == "/v1/completions"
+
+
+def test_queue_full_is_429_end_to_end(tiny_llama: Path) -> None:
+    srv = LiveServer(tiny_llama, max_num_seqs=1, max_num_batched_tokens=64, max_waiting=1)
+    real_step = srv.engine.engine.step
+
+    def slow_step() -> list:  # type: ignore[type-arg]
+        time.sleep(0.01)
+        return real_step()
+
+    srv.engine.engine.step = slow_step  # type: ignore[method-assign]
+    import threading
+
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 200, "ignore_eos": True}
+    try:
+        with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as running:
+            lines = running.iter_lines()
+            next(lines)  # it holds the only sequence slot; a thread reads the rest as a client would
+            reader = threading.Thread(target=lambda: [_ for _ in lines])
+            reader.start()
+            # The one allowed waiter: a blocking request, so from a thread.
+            waiter = threading.Thread(target=lambda: httpx.post(srv.url + "/v1/completions", json=body, timeout=60))
+            waiter.start()
+            deadline = time.monotonic() + 10
+            while srv.engine.num_unfinished < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            third = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
+            assert third.status_code == 429 and third.headers.get("retry-after")
+            assert third.json()["error"]["type"] == "rate_limit_exceeded"
+            reader.join(60)
+        waiter.join(60)
+    finally:
+        srv.close()
+
+
+def test_sigterm_drains_and_exits_zero(tiny_llama: Path) -> None:
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tokenloom.cli", "serve", "--model", str(tiny_llama), "--port",
+                             str(port), "--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        body = {"model": tiny_llama.name, "prompt": "drain me", "max_tokens": 60, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            proc.send_signal(signal.SIGTERM)
+            rest = list(lines)  # the in-flight stream is allowed to finish
+        assert rest[-1] == "data: [DONE]" or rest[-2:] == ["data: [DONE]", ""]
+        assert proc.wait(30) == 0
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(url + "/health", timeout=2)  # no longer taking requests
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -69,3 +69,19 @@ def test_errors(server: str, client: openai.OpenAI) -> None:
     assert r.status_code == 400 and "error" in r.json()
     r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": "many"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_completion_prompt_forms_n_and_echo(client: openai.OpenAI, live_server: LiveServer) -> None:
+    tok = live_server.engine.engine.tokenizer
+    ids = tok.encode("The quick brown fox")
+    by_text = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=5, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0)
+    assert by_text.choices[0].text == by_ids.choices[0].text
+    many = client.completions.create(model=MODEL, prompt=["The quick brown fox", "Hello"], max_tokens=5,
+                                     temperature=0.8, seed=3, n=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert many.usage is not None and many.usage.completion_tokens == 4 * 5
+    assert many.usage.prompt_tokens == len(ids) + len(tok.encode("Hello"))
+    echo = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, echo=True, logprobs=2)
+    assert echo.choices[0].text.startswith("Hello") and echo.choices[0].logprobs is not None
+    assert len(echo.choices[0].logprobs.token_logprobs or []) == 3

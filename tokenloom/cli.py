@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
+from collections.abc import Iterator
 from dataclasses import fields
 
 from tokenloom.attention.base import BACKENDS
@@ -77,11 +80,28 @@ def _serve(args: argparse.Namespace) -> int:
     print(core.capacity.describe(), file=sys.stderr)
     logging.getLogger("tokenloom.access").setLevel(logging.INFO)  # one JSON line per request, on stderr
     app = build_app(engine, name, args.api_key, metrics)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.graceful_timeout,
+                                           log_level="info" if args.verbose else "warning"))
+
+    @contextlib.contextmanager
+    def graceful_signals() -> Iterator[None]:
+        # SIGTERM / SIGINT: stop accepting, let in-flight responses finish (streams past
+        # --graceful-timeout are cancelled, which aborts their requests), then exit 0. uvicorn's own
+        # handler would re-raise the signal afterwards and end the process with -15.
+        def stop(signum: int, frame: object) -> None:
+            server.force_exit = server.should_exit  # a second signal skips the wait
+            server.should_exit = True
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    server.capture_signals = graceful_signals  # type: ignore[method-assign]
     try:
-        # uvicorn handles SIGTERM: it stops accepting, lets in-flight responses finish (bounded by
-        # --graceful-timeout), then returns here and the engine thread is stopped.
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
-                    timeout_graceful_shutdown=args.graceful_timeout)
+        server.run()
     finally:
         engine.shutdown()
     return 0

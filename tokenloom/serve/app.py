@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenloom.engine.async_engine import AsyncLLMEngine
@@ -55,15 +56,18 @@ def build_app(
     async def auth_and_log(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         start = time.monotonic()
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
+        # Handlers and their streams fill this in as tokens are counted; it is logged at the very end.
+        request.state.usage = usage = {"prompt_tokens": 0, "completion_tokens": 0}
         if api_key is not None and request.url.path not in OPEN_PATHS:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 response: Response = fail(request, Unauthorized("missing or wrong API key (Authorization: Bearer ...)"))
-                _log(rid, request, response.status_code, start)
+                _log(rid, request, response.status_code, start, usage)
                 return response
         response = await call_next(request)
         response.headers["x-request-id"] = rid
-        _log(rid, request, response.status_code, start)
+        # Runs once the body (a whole SSE / NDJSON stream included) has been sent.
+        response.background = BackgroundTask(_log, rid, request, response.status_code, start, usage)
         return response
 
     @app.exception_handler(TokenloomError)
@@ -95,10 +99,10 @@ def build_app(
     return app
 
 
-def _log(rid: str, request: Request, status: int, start: float) -> None:
-    # Streams log when their headers go out; the request's tokens and timing are in /metrics.
+def _log(rid: str, request: Request, status: int, start: float, usage: dict[str, int]) -> None:
     access_log.info(json.dumps({
         "request_id": rid, "method": request.method, "path": request.url.path, "status": status,
+        "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
         "latency_ms": round((time.monotonic() - start) * 1e3, 2),
         "client": request.client.host if request.client else None,
     }))

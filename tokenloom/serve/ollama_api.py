@@ -144,7 +144,9 @@ async def _respond(
         if total is None:
             raise InvalidRequest("the request produced no output", "prompt")
         text = total.outputs[0].text if total.outputs else ""
-        return JSONResponse({**piece(text, True), **_stats(total, start, submitted)})
+        stats = _stats(total, start, submitted)
+        request.state.usage.update(prompt_tokens=stats["prompt_eval_count"], completion_tokens=stats["eval_count"])
+        return JSONResponse({**piece(text, True), **stats})
 
     first = await stream.__anext__()  # errors before the first token stay HTTP errors
 
@@ -157,7 +159,9 @@ async def _respond(
                 if delta.finished:
                     if text:
                         yield json.dumps(piece(text, False)) + "\n"
-                    yield json.dumps({**piece("", True), **_stats(total, start, submitted)}) + "\n"
+                    stats = _stats(total, start, submitted)
+                    request.state.usage.update(prompt_tokens=stats["prompt_eval_count"], completion_tokens=stats["eval_count"])
+                    yield json.dumps({**piece("", True), **stats}) + "\n"
                     return
                 if text:
                     yield json.dumps(piece(text, False)) + "\n"

@@ -132,7 +132,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     stream = _run(engine, prompts, params, texts)
     if body.stream:
         first = await _first(stream)  # errors before the first token become HTTP errors
-        return StreamingResponse(_completion_sse(first, stream, base, body, prompts, n, tok), media_type="text/event-stream")
+        sse = _completion_sse(first, stream, base, body, prompts, n, tok, request.state.usage)
+        return StreamingResponse(sse, media_type="text/event-stream")
     merged = await _gather(stream, len(prompts))
     result = []
     for i, out in enumerate(merged):
@@ -143,6 +144,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     usage_out = sum(len(c.token_ids) for out in merged for c in out.outputs)
     timing = _timing(merged[-1].metrics)
     prompt_tokens = sum(len(ids) for ids in prompts)
+    request.state.usage.update(prompt_tokens=prompt_tokens, completion_tokens=usage_out)
     return {**base, "choices": result, "metrics": timing,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": usage_out, "total_tokens": prompt_tokens + usage_out}}
 
@@ -174,13 +176,16 @@ async def _chain(
 
 
 async def _completion_sse(first: Any, stream: AsyncIterator[tuple[int, RequestOutput]], base: dict[str, Any],
-                          body: CompletionRequest, prompts: list[list[int]], n: int, tok: Any) -> AsyncIterator[str]:
+                          body: CompletionRequest, prompts: list[list[int]], n: int, tok: Any,
+                          usage: dict[str, int]) -> AsyncIterator[str]:
     completion_tokens = 0
+    usage["prompt_tokens"] = sum(len(p) for p in prompts)
 
     try:
         async for i, out in _chain(first, stream):
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
+                usage["completion_tokens"] = completion_tokens
                 lp = _completion_logprobs(c.logprobs, tok) if body.logprobs is not None and c.logprobs else None
                 yield _sse({**base, "choices": [{"index": i * n + c.index, "text": c.text, "logprobs": lp,
                                                  "finish_reason": c.finish_reason}]})
@@ -210,7 +215,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     stream = _run(engine, [ids], [params], [None])
     if body.stream:
         first = await _first(stream)
-        return StreamingResponse(_chat_sse(first, stream, base, body, len(ids), tok), media_type="text/event-stream")
+        sse = _chat_sse(first, stream, base, body, len(ids), tok, request.state.usage)
+        return StreamingResponse(sse, media_type="text/event-stream")
     (out,) = await _gather(stream, 1)
     result = []
     for c in out.outputs:
@@ -218,6 +224,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         result.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
                        "finish_reason": c.finish_reason})
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+    request.state.usage.update(prompt_tokens=len(ids), completion_tokens=completion_tokens)
     timing = _timing(out.metrics)
     return {**base, "object": "chat.completion", "choices": result, "metrics": timing,
             "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
@@ -233,9 +240,11 @@ def _chat_logprobs(lps: list[Any], tok: Any) -> list[dict[str, Any]]:
 
 
 async def _chat_sse(first: Any, stream: AsyncIterator[tuple[int, RequestOutput]], base: dict[str, Any],
-                    body: ChatCompletionRequest, prompt_tokens: int, tok: Any) -> AsyncIterator[str]:
+                    body: ChatCompletionRequest, prompt_tokens: int, tok: Any,
+                    usage: dict[str, int]) -> AsyncIterator[str]:
     chunk = {**base, "object": "chat.completion.chunk"}
     completion_tokens = 0
+    usage["prompt_tokens"] = prompt_tokens
     for i in range(body.n):
         yield _sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}]})
@@ -244,6 +253,7 @@ async def _chat_sse(first: Any, stream: AsyncIterator[tuple[int, RequestOutput]]
         async for _, out in _chain(first, stream):
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
+                usage["completion_tokens"] = completion_tokens
                 lp = {"content": _chat_logprobs(c.logprobs, tok)} if body.logprobs and c.logprobs else None
                 delta = {"content": c.text} if c.text or not c.finish_reason else {}
                 yield _sse({**chunk, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
