@@ -47,6 +47,9 @@ def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "length"
+    timing = chunks[-1].model_extra["metrics"]  # type: ignore[index]
+    assert timing["time_to_first_token"] > 0 and timing["prefill_time"] > 0 and timing["queue_time"] >= 0
+    assert full.model_extra["metrics"]["decode_time"] > 0  # type: ignore[index]
 
 
 def test_chat_logprobs(client: openai.OpenAI) -> None:

@@ -187,8 +187,11 @@ async def _completion_sse(first: Any, stream: AsyncIterator[tuple[int, RequestOu
                 completion_tokens += len(c.token_ids)
                 usage["completion_tokens"] = completion_tokens
                 lp = _completion_logprobs(c.logprobs, tok) if body.logprobs is not None and c.logprobs else None
-                yield _sse({**base, "choices": [{"index": i * n + c.index, "text": c.text, "logprobs": lp,
-                                                 "finish_reason": c.finish_reason}]})
+                piece = {**base, "choices": [{"index": i * n + c.index, "text": c.text, "logprobs": lp,
+                                              "finish_reason": c.finish_reason}]}
+                if out.finished:  # the request's timing rides on its last chunk
+                    piece["metrics"] = _timing(out.metrics)
+                yield _sse(piece)
         if body.stream_options and body.stream_options.include_usage:
             pt = sum(len(p) for p in prompts)
             yield _sse({**base, "choices": [], "usage": {"prompt_tokens": pt, "completion_tokens": completion_tokens,
@@ -256,8 +259,11 @@ async def _chat_sse(first: Any, stream: AsyncIterator[tuple[int, RequestOutput]]
                 usage["completion_tokens"] = completion_tokens
                 lp = {"content": _chat_logprobs(c.logprobs, tok)} if body.logprobs and c.logprobs else None
                 delta = {"content": c.text} if c.text or not c.finish_reason else {}
-                yield _sse({**chunk, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
-                                                  "finish_reason": c.finish_reason}]})
+                piece = {**chunk, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
+                                               "finish_reason": c.finish_reason}]}
+                if out.finished:
+                    piece["metrics"] = _timing(out.metrics)
+                yield _sse(piece)
         if body.stream_options and body.stream_options.include_usage:
             yield _sse({**chunk, "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens":
                                                           completion_tokens, "total_tokens": prompt_tokens + completion_tokens}})
