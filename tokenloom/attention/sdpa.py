@@ -28,7 +28,7 @@ class _Prefill:
 class _Plan:
     decode_tokens: torch.Tensor | None  # (B,) token index of each decoding sequence
     decode_blocks: torch.Tensor | None  # (B, max_blocks)
-    decode_mask: torch.Tensor | None  # (B, 1, 1, max_blocks * block_size) bool
+    decode_mask: torch.Tensor | None  # (B, 1, 1, max_blocks * block_size) bool; built on first use
     decode_lens: torch.Tensor | None  # (B,) int64 context length of each decoding sequence
     all_decode: bool  # every token of the batch is a decode, in order: skip the index ops
     prefills: list[_Prefill]
@@ -60,18 +60,14 @@ class SDPABackend(AttentionBackend):
         if not dec_rows:
             return _Plan(None, None, None, None, False, prefills)
         rows = torch.tensor(dec_rows, device=device)
-        ctx_lens = torch.tensor([meta.seq_lens[i] for i in dec_rows], device=device)
-        max_blocks = (int(ctx_lens.max()) + bs - 1) // bs
-        k_pos = torch.arange(max_blocks * bs, device=device)[None, :]
-        mask = k_pos < ctx_lens[:, None]  # (B, L)
-        if sliding_window is not None:
-            mask &= k_pos > ctx_lens[:, None] - 1 - sliding_window
+        lens = [meta.seq_lens[i] for i in dec_rows]
+        max_blocks = (max(lens) + bs - 1) // bs
         tokens = torch.tensor([meta.query_start_loc[i] for i in dec_rows], device=device)
         return _Plan(
             decode_tokens=tokens,
             decode_blocks=meta.block_tables[rows, :max_blocks],
-            decode_mask=mask[:, None, None, :],
-            decode_lens=ctx_lens,
+            decode_mask=None,
+            decode_lens=torch.tensor(lens, device=device),
             all_decode=not prefills,
             prefills=prefills,
         )
@@ -120,6 +116,13 @@ class SDPABackend(AttentionBackend):
         """One query per sequence, q (B, Hq, D) -> (B, Hq, D), over gathered, padded, masked contexts."""
         batch, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
+        if plan.decode_mask is None:  # once per step, shared by the layers after the first
+            ctx = plan.decode_lens[:, None]
+            k_pos = torch.arange(plan.decode_blocks.shape[1] * k_cache.shape[1], device=q.device)[None, :]
+            mask = k_pos < ctx  # (B, L)
+            if sliding_window is not None:
+                mask &= k_pos > ctx - 1 - sliding_window
+            plan.decode_mask = mask[:, None, None, :]
         # Grouped-query trick: the query heads sharing a KV head act as that many queries of it.
         qd = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         keys = k_cache[plan.decode_blocks].flatten(1, 2).transpose(1, 2)  # (B, Hkv, L, D)
