@@ -113,6 +113,12 @@ def _bench_offline(args: argparse.Namespace) -> int:
     return run_offline_bench(args)
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from tokenloom.bench.serve import run_bench_serve
+
+    return run_bench_serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenloom", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
@@ -149,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_offline_args(off)
     off.set_defaults(func=_bench_offline)
+    sv = bsub.add_parser("serve", help="load-test a running server (tokenloom, vLLM, llama.cpp, Ollama, ...)")
+    from tokenloom.bench.serve import add_serve_args
+
+    add_serve_args(sv)
+    sv.set_defaults(func=_bench_serve)
     return parser
 
 

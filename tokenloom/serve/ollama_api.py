@@ -156,14 +156,16 @@ async def _respond(
             delta = first
             while True:
                 text = delta.outputs[0].text if delta.outputs else ""
+                # One line per token, as Ollama streams, even when the token completes no character yet.
+                has_token = bool(delta.outputs and delta.outputs[0].token_ids)
                 if delta.finished:
-                    if text:
+                    if text or has_token:
                         yield json.dumps(piece(text, False)) + "\n"
                     stats = _stats(total, start, submitted)
                     request.state.usage.update(prompt_tokens=stats["prompt_eval_count"], completion_tokens=stats["eval_count"])
                     yield json.dumps({**piece("", True), **stats}) + "\n"
                     return
-                if text:
+                if text or has_token:
                     yield json.dumps(piece(text, False)) + "\n"
                 delta = await stream.__anext__()
                 total = merge_delta(total, delta)

@@ -1,0 +1,56 @@
+"""The load generator end to end against a live tokenloom server with a tiny model."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from conftest import LiveServer
+from tokenloom.bench.serve import exact_prompt, load_tokenizer
+from tokenloom.cli import main
+
+
+def test_exact_prompt_lengths(tiny_llama: Path) -> None:
+    tok = load_tokenizer(str(tiny_llama))
+    rng = random.Random(0)
+    for n in (5, 37, 120):
+        text, count = exact_prompt(tok, n, rng)
+        assert count == len(tok.encode(text, add_special_tokens=False))
+        assert abs(count - n) <= 1
+
+
+@pytest.mark.parametrize("backend", ["openai", "openai-chat", "ollama"])
+def test_sweep_writes_consistent_records_and_summary(live_server: LiveServer, tiny_llama: Path, tmp_path: Path,
+                                                     backend: str) -> None:
+    out = tmp_path / backend
+    rc = main(["bench", "serve", "--base-url", live_server.url, "--backend", backend, "--tokenizer", str(tiny_llama),
+               "--num-prompts", "4", "--input-lens", "16,48", "--output-len", "6", "--concurrency", "1,2",
+               "--warmup", "1", "--slo-ttft", "10", "--out", str(out)])
+    assert rc == 0
+    records = pd.read_csv(out / "records.csv")
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(records) == 2 * 2 * 4 and records["success"].all()
+    assert len(summary["points"]) == 4 and set(summary["knee"]) == {"16", "48"}
+    for p in summary["points"]:
+        rows = records[(records["input_len"] == p["input_len"]) & (records["concurrency"] == p["concurrency"])]
+        assert p["completed"] == len(rows) == 4 and p["failed"] == 0
+        assert p["total_output_tokens"] == rows["output_tokens"].sum()
+        assert p["ttft_s_mean"] == pytest.approx(rows["ttft"].mean())
+        assert p["e2el_s_p95"] == pytest.approx(rows["e2el"].quantile(0.95))
+        assert p["output_throughput"] == pytest.approx(p["total_output_tokens"] / p["duration_s"])
+        assert p["good_requests"] == (rows["ttft"] <= 10).sum()
+        if backend == "ollama":
+            assert p["server_prefill_s_mean"] == pytest.approx(rows["server_prefill_s"].mean())
+    # The server's token counts were used: 6 output tokens each (ignore_eos / num_predict).
+    assert (records["output_tokens"] <= 6).all() and (records["output_tokens"] > 0).all()
+
+
+def test_unreachable_server_counts_failures(tmp_path: Path, tiny_llama: Path) -> None:
+    rc = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--tokenizer", str(tiny_llama),
+               "--num-prompts", "2", "--warmup", "0", "--output-len", "2", "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert rc == 1 and summary["points"][0]["failed"] == 2 and summary["points"][0]["completed"] == 0

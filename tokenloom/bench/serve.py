@@ -1,0 +1,191 @@
+"""`tokenloom bench serve`: a streaming load generator against any OpenAI- or Ollama-compatible server.
+
+For every prompt length in --input-lens and every load in the sweep (--concurrency list, or
+--request-rate list with Poisson arrivals), it sends warm-up requests (not recorded), then
+--num-prompts measured requests, and records each request's timeline. Results go to --out: the raw
+records (records.csv), the per-point summaries and the knee (summary.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pandas as pd
+from tqdm import tqdm
+
+from tokenloom.bench.client import BACKENDS, BenchRequest, send
+from tokenloom.bench.stats import RequestRecord, SweepPoint, knee, summarize
+from tokenloom.tokenizer import Tokenizer
+
+_TEXT = (
+    "The history of computing is a story of people who wanted answers faster than they could work them "
+    "out by hand. Engines of brass gave way to valves, valves to transistors, and transistors to chips of "
+    "silicon that hold billions of switches. Each step made the machines smaller, cheaper and quicker, and "
+    "each step brought new questions that nobody had thought to ask before. "
+)
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x.strip()]
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--backend", choices=BACKENDS, default="openai")
+    p.add_argument("--model", default=None, help="model name to request (default: the server's first model)")
+    p.add_argument("--tokenizer", default=None, help="HF folder or .gguf for exact prompt lengths (default: embedded)")
+    p.add_argument("--num-prompts", type=int, default=32, help="measured requests per sweep point")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--input-lens", type=_ints, default=None, help="prompt-length sweep, e.g. 100,1000,5000")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths drawn uniformly in [len*(1-r), len*(1+r)]")
+    p.add_argument("--concurrency", type=_ints, default=None, help="concurrency sweep, e.g. 1,2,4,8")
+    p.add_argument("--request-rate", type=_floats, default=None, help="Poisson request rates (req/s) to sweep")
+    p.add_argument("--warmup", type=int, default=2, help="unrecorded requests before each point")
+    p.add_argument("--max-duration", type=float, default=None, help="stop issuing requests after this many seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft", type=float, default=None, help="seconds; enables goodput")
+    p.add_argument("--slo-tpot", type=float, default=None, help="seconds; enables goodput")
+    p.add_argument("--knee-efficiency", type=float, default=0.5,
+                   help="min (throughput gain / latency growth) for more load to count as worth it")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    p.add_argument("--out", type=Path, default=Path("results/bench"), help="results folder")
+
+
+def load_tokenizer(path: str | None) -> Tokenizer:
+    from tokenloom.models.default import default_model_path
+
+    p = Path(path) if path else default_model_path()
+    if p.suffix == ".gguf":
+        from tokenloom.models.gguf import read_gguf
+        from tokenloom.models.gguf_tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(read_gguf(p))
+    return Tokenizer.from_hf_folder(p)
+
+
+def exact_prompt(tok: Tokenizer, n_tokens: int, rng: random.Random) -> tuple[str, int]:
+    """A distinct text that the tokenizer encodes to `n_tokens` tokens (or within one of it)."""
+    base = tok.encode(_TEXT * (n_tokens // 40 + 2), add_special_tokens=False)
+    start = rng.randrange(len(base) // 2)
+    ids = (base[start:] + base[:start])[: max(n_tokens - 4, 1)]
+    text = f"{rng.randrange(10**6)}: " + tok.decode(ids)
+    for _ in range(8):  # decode/encode round trips can merge or split tokens at the seams: adjust
+        enc = tok.encode(text, add_special_tokens=False)
+        if len(enc) == n_tokens:
+            break
+        if len(enc) > n_tokens:
+            text = tok.decode(enc[:n_tokens])
+        else:
+            text += tok.decode(base[: n_tokens - len(enc)])
+    return text, len(tok.encode(text, add_special_tokens=False))
+
+
+def workload(tok: Tokenizer, n: int, input_len: int, output_len: int, ratio: float, rng: random.Random) -> list[BenchRequest]:
+    reqs = []
+    for _ in range(n):
+        lo_i, hi_i = max(1, int(input_len * (1 - ratio))), max(1, int(input_len * (1 + ratio)))
+        lo_o, hi_o = max(1, int(output_len * (1 - ratio))), max(1, int(output_len * (1 + ratio)))
+        text, count = exact_prompt(tok, rng.randint(lo_i, hi_i), rng)
+        reqs.append(BenchRequest(text, count, rng.randint(lo_o, hi_o)))
+    return reqs
+
+
+async def run_point(
+    client: httpx.AsyncClient, backend: str, model: str, reqs: list[BenchRequest], concurrency: int | None,
+    rate: float | None, rng: random.Random, max_duration: float | None, desc: str,
+) -> tuple[list[RequestRecord], float]:
+    """Send `reqs` under a concurrency cap or Poisson arrivals; returns records and wall duration."""
+    limit = asyncio.Semaphore(concurrency or len(reqs))
+    bar = tqdm(total=len(reqs), desc=desc, leave=False)
+    start = time.perf_counter()
+
+    async def one(req: BenchRequest) -> RequestRecord:
+        async with limit:
+            rec = await send(client, backend, model, req)
+        bar.update(1)
+        return rec
+
+    tasks = []
+    for req in reqs:
+        if max_duration is not None and time.perf_counter() - start > max_duration:
+            break
+        tasks.append(asyncio.create_task(one(req)))
+        if rate is not None and rate > 0:
+            await asyncio.sleep(rng.expovariate(rate))  # Poisson process: exponential gaps
+    records = list(await asyncio.gather(*tasks))
+    bar.close()
+    return records, time.perf_counter() - start
+
+
+async def _served_model(client: httpx.AsyncClient, backend: str) -> str:
+    if backend == "ollama":
+        return (await client.get("/api/tags")).json()["models"][0]["name"]
+    return (await client.get("/v1/models")).json()["data"][0]["id"]
+
+
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
+    tok = load_tokenizer(args.tokenizer)
+    rng = random.Random(args.seed)
+    input_lens = args.input_lens or [args.input_len]
+    loads: list[tuple[int | None, float | None]] = (
+        [(None, r) for r in args.request_rate] if args.request_rate else [(c, None) for c in (args.concurrency or [1])]
+    )
+    points: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout,
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as client:
+        model = args.model or await _served_model(client, args.backend)
+        for input_len in input_lens:
+            for conc, rate in loads:
+                warm = workload(tok, args.warmup, input_len, min(args.output_len, 8), 0.0, rng)
+                if warm:
+                    await run_point(client, args.backend, model, warm, conc, None, rng, None, "warm-up")
+                reqs = workload(tok, args.num_prompts, input_len, args.output_len, args.random_range_ratio, rng)
+                label = f"in={input_len} " + (f"rate={rate}/s" if rate else f"c={conc}")
+                records, duration = await run_point(client, args.backend, model, reqs, conc, rate, rng,
+                                                    args.max_duration, label)
+                summary = summarize(records, duration, args.slo_ttft, args.slo_tpot)
+                points.append({"input_len": input_len, "concurrency": conc, "request_rate": rate, **summary})
+                for r in records:
+                    r.concurrency = conc
+                    rows.append({"input_len": input_len, "request_rate": rate, **r.to_row()})
+                print(f"{label}: {summary['completed']} ok, {summary['failed']} failed, "
+                      f"{summary['output_throughput']:.1f} out tok/s, TTFT p50 {_ms(summary['ttft_s_median'])}, "
+                      f"TPOT p50 {_ms(summary['tpot_s_median'])}, E2E p95 {_ms(summary['e2el_s_p95'])}")
+    knees = {}
+    for input_len in input_lens:
+        sweep = [SweepPoint(p["concurrency"] or p["request_rate"], p["output_throughput"], p["e2el_s_p95"])
+                 for p in points if p["input_len"] == input_len and p["e2el_s_p95"] is not None]
+        knees[str(input_len)] = knee(sweep, args.knee_efficiency)
+    result = {"model": model, "backend": args.backend, "base_url": args.base_url, "points": points, "knee": knees,
+              "knee_definition": f"highest load whose step from the previous point still gained output "
+                                 f"throughput at >= {args.knee_efficiency} x its relative growth in p95 e2e latency",
+              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_csv(args.out / "records.csv", index=False)
+    (args.out / "summary.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f} ms"
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    result = asyncio.run(_main(args))
+    print(f"knee (by prompt length): {result['knee']}; results in {args.out}")
+    failed = sum(p["failed"] for p in result["points"])
+    return 1 if failed and not any(p["completed"] for p in result["points"]) else 0
