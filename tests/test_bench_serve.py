@@ -47,6 +47,22 @@ def test_sweep_writes_consistent_records_and_summary(live_server: LiveServer, ti
             assert p["server_prefill_s_mean"] == pytest.approx(rows["server_prefill_s"].mean())
     # The server's token counts were used: 6 output tokens each (ignore_eos / num_predict).
     assert (records["output_tokens"] <= 6).all() and (records["output_tokens"] > 0).all()
+    for png in ("prompt_lengths.png", "load_sweep.png", "distributions.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (out / "report.html").read_text()
+    assert report.count("data:image/png;base64,") == 3 and "knee" in report
+
+
+def test_compare_two_runs(live_server: LiveServer, tiny_llama: Path, tmp_path: Path) -> None:
+    for name, conc in (("run-a", "1,2"), ("run-b", "1,4")):
+        assert main(["bench", "serve", "--base-url", live_server.url, "--tokenizer", str(tiny_llama),
+                     "--num-prompts", "4", "--output-len", "4", "--concurrency", conc, "--warmup", "0",
+                     "--out", str(tmp_path / name)]) == 0
+    out = tmp_path / "cmp"
+    assert main(["bench", "compare", str(tmp_path / "run-a"), str(tmp_path / "run-b"), "--out", str(out)]) == 0
+    table = (out / "compare.csv").read_text().splitlines()
+    assert len(table) == 1 + 4 and (out / "compare.png").is_file() and "run-a" in (out / "compare.md").read_text()
+    assert main(["bench", "compare", str(tmp_path / "nope"), "--out", str(out)]) == 2
 
 
 def test_unreachable_server_counts_failures(tmp_path: Path, tiny_llama: Path) -> None:

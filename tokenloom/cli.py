@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from dataclasses import fields
 
 from tokenloom.attention.base import BACKENDS
@@ -119,6 +120,18 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return run_bench_serve(args)
 
 
+def _bench_compare(args: argparse.Namespace) -> int:
+    from tokenloom.bench.report import compare
+
+    missing = [str(r) for r in args.runs if not (r / "summary.json").is_file()]
+    if missing:
+        print(f"tokenloom: error: not a results folder (no summary.json): {', '.join(missing)}", file=sys.stderr)
+        return 2
+    print(compare(list(args.runs), args.out))
+    print(f"table and plot in {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenloom", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
@@ -160,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_args(sv)
     sv.set_defaults(func=_bench_serve)
+    cmp_ = bsub.add_parser("compare", help="several `bench serve` results folders side by side")
+    cmp_.add_argument("runs", nargs="+", type=Path, help="results folders")
+    cmp_.add_argument("--out", type=Path, default=Path("results/compare"))
+    cmp_.set_defaults(func=_bench_compare)
     return parser
 
 

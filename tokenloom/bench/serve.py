@@ -3,7 +3,7 @@
 For every prompt length in --input-lens and every load in the sweep (--concurrency list, or
 --request-rate list with Poisson arrivals), it sends warm-up requests (not recorded), then
 --num-prompts measured requests, and records each request's timeline. Results go to --out: the raw
-records (records.csv), the per-point summaries and the knee (summary.json).
+records (records.csv), the per-point summaries and the knee (summary.json), PNG plots and report.html.
 """
 
 from __future__ import annotations
@@ -185,7 +185,10 @@ def _ms(v: float | None) -> str:
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
+    from tokenloom.bench.report import write_report
+
     result = asyncio.run(_main(args))
-    print(f"knee (by prompt length): {result['knee']}; results in {args.out}")
+    report = write_report(args.out)
+    print(f"knee (by prompt length): {result['knee']}; report: {report}")
     failed = sum(p["failed"] for p in result["points"])
     return 1 if failed and not any(p["completed"] for p in result["points"]) else 0
