@@ -132,16 +132,14 @@ class LiveServer:
 
         from tokenloom.config import EngineConfig
         from tokenloom.engine.async_engine import AsyncLLMEngine
-        from tokenloom.engine.engine import LLMEngine
         from tokenloom.serve.app import build_app
         from tokenloom.serve.metrics import ServingMetrics
 
         cfg = dict(model=str(model_dir), dtype="float32", kv_cache_memory="16MiB", max_model_len=256)
         cfg.update(engine)
         max_waiting = cfg.pop("max_waiting", None)
-        core = LLMEngine(EngineConfig(**cfg))  # type: ignore[arg-type]
         self.metrics = ServingMetrics(name)
-        self.engine = AsyncLLMEngine(core, max_waiting=max_waiting, on_step=self.metrics.on_step)  # type: ignore[arg-type]
+        self.engine = AsyncLLMEngine.from_config(EngineConfig(**cfg), max_waiting, self.metrics.on_step)  # type: ignore[arg-type]
         self.name = name
         app = build_app(self.engine, name, api_key, self.metrics)
         with socket.socket() as s:

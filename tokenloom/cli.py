@@ -70,14 +70,14 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tokenloom.engine.async_engine import AsyncLLMEngine
-    from tokenloom.engine.engine import LLMEngine
     from tokenloom.serve.app import build_app
     from tokenloom.serve.metrics import ServingMetrics
 
-    core = LLMEngine(engine_config(args))
+    engine = AsyncLLMEngine.from_config(engine_config(args), max_waiting=args.max_waiting)
+    core = engine.engine
     name = args.served_model_name or core.model_name
     metrics = ServingMetrics(name)
-    engine = AsyncLLMEngine(core, max_waiting=args.max_waiting, on_step=metrics.on_step)
+    engine.on_step = metrics.on_step
     print(core.capacity.describe(), file=sys.stderr)
     logging.getLogger("tokenloom.access").setLevel(logging.INFO)  # one JSON line per request, on stderr
     app = build_app(engine, name, args.api_key, metrics)
