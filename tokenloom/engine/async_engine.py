@@ -69,7 +69,7 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
-        factory = engine if callable(engine) and not isinstance(engine, LLMEngine) else (lambda: engine)
+        factory: Callable[[], LLMEngine] = (lambda: engine) if isinstance(engine, LLMEngine) else engine
         self._thread = threading.Thread(target=self._run, args=(factory,), name="tokenloom-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
