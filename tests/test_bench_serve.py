@@ -70,3 +70,23 @@ def test_unreachable_server_counts_failures(tmp_path: Path, tiny_llama: Path) ->
                "--num-prompts", "2", "--warmup", "0", "--output-len", "2", "--out", str(tmp_path)])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert rc == 1 and summary["points"][0]["failed"] == 2 and summary["points"][0]["completed"] == 0
+
+
+def test_agentic_multi_turn(live_server: LiveServer, tiny_llama: Path, tmp_path: Path) -> None:
+    out = tmp_path / "agentic"
+    assert main(["bench", "serve", "--base-url", live_server.url, "--backend", "openai-chat", "--dataset", "agentic",
+                 "--tokenizer", str(tiny_llama), "--sessions", "3", "--turns", "3", "--system-len", "40",
+                 "--input-len", "8", "--output-len", "4", "--concurrency", "2", "--warmup", "0", "--out", str(out)]) == 0
+    records = pd.read_csv(out / "records.csv")
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(records) == 9 and records["success"].all()
+    assert sorted(records["turn"].tolist()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    # Each call resends the growing conversation: the server-counted prompt grows turn by turn.
+    for _, conv in records.groupby("session"):
+        sizes = conv.sort_values("turn")["input_tokens"].tolist()
+        assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+    p = summary["points"][0]
+    assert p["ttft_cold_s_median"] == pytest.approx(records[records["turn"] == 0]["ttft"].median())
+    assert p["ttft_warm_s_median"] == pytest.approx(records[records["turn"] > 0]["ttft"].median())
+    assert main(["bench", "serve", "--base-url", live_server.url, "--dataset", "agentic", "--tokenizer",
+                 str(tiny_llama), "--sessions", "1", "--turns", "1", "--out", str(tmp_path / "x")]) != 0

@@ -26,6 +26,7 @@ class BenchRequest:
     prompt: str
     input_tokens: int  # by the benchmark's tokenizer (the server's count replaces it when reported)
     output_tokens: int
+    messages: tuple[dict[str, str], ...] = ()  # openai-chat: the whole conversation (else one user turn)
 
 
 async def send(client: httpx.AsyncClient, backend: str, model: str, req: BenchRequest,
@@ -60,7 +61,7 @@ async def _openai(client: httpx.AsyncClient, backend: str, model: str, req: Benc
     if ignore_eos:
         body["ignore_eos"] = True  # vLLM / tokenloom extension; other servers ignore unknown fields
     if backend == "openai-chat":
-        body["messages"] = [{"role": "user", "content": req.prompt}]
+        body["messages"] = list(req.messages) or [{"role": "user", "content": req.prompt}]
         path = "/v1/chat/completions"
     else:
         body["prompt"] = req.prompt
@@ -85,8 +86,10 @@ async def _openai(client: httpx.AsyncClient, backend: str, model: str, req: Benc
                 # (bytes of a split UTF-8 character); for chat, every content delta but the role opener.
                 delta = c.get("delta") or {}
                 if backend == "openai" or ("content" in delta and not ("role" in delta and not delta["content"])):
-                    if c.get("finish_reason") and not (c.get("text") or delta.get("content")):
+                    piece = c.get("text") or delta.get("content") or ""
+                    if c.get("finish_reason") and not piece:
                         continue  # a closing chunk that carries no token
+                    rec.text += piece
                     chunks += 1
                     _token_arrived(rec)
             usage = chunk.get("usage")
@@ -113,6 +116,7 @@ async def _ollama(client: httpx.AsyncClient, model: str, req: BenchRequest, rec:
                 rec.error = str(obj["error"])[:300]
                 return
             if not obj.get("done"):
+                rec.text += obj.get("response") or ""
                 chunks += 1
                 _token_arrived(rec)
             if obj.get("done"):

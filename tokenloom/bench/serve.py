@@ -21,7 +21,8 @@ import pandas as pd
 from tqdm import tqdm
 
 from tokenloom.bench.client import BACKENDS, BenchRequest, send
-from tokenloom.bench.stats import RequestRecord, SweepPoint, knee, summarize
+from tokenloom.bench.stats import RequestRecord, SweepPoint, distribution, knee, summarize
+from tokenloom.errors import ConfigError
 from tokenloom.tokenizer import Tokenizer
 
 _TEXT = (
@@ -51,7 +52,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths drawn uniformly in [len*(1-r), len*(1+r)]")
-    p.add_argument("--concurrency", type=_ints, default=None, help="concurrency sweep, e.g. 1,2,4,8")
+    p.add_argument("--dataset", choices=("fixed", "agentic"), default="fixed",
+                   help="fixed: independent prompts of --input-len(s) tokens; agentic: --sessions conversations of "
+                        "--turns calls, each resending the growing conversation after a shared --system-len prompt "
+                        "(openai-chat backend)")
+    p.add_argument("--sessions", type=int, default=8, help="agentic: conversations per sweep point")
+    p.add_argument("--turns", type=int, default=10, help="agentic: calls per conversation")
+    p.add_argument("--system-len", type=int, default=2000, help="agentic: tokens of the shared system prompt")
+    p.add_argument("--concurrency", type=_ints, default=None,
+                   help="concurrency sweep, e.g. 1,2,4,8 (agentic: conversations in flight)")
     p.add_argument("--request-rate", type=_floats, default=None, help="Poisson request rates (req/s) to sweep")
     p.add_argument("--warmup", type=int, default=2, help="unrecorded requests before each point")
     p.add_argument("--max-duration", type=float, default=None, help="stop issuing requests after this many seconds")
@@ -130,6 +139,38 @@ async def run_point(
     return records, time.perf_counter() - start
 
 
+async def run_agentic_point(
+    client: httpx.AsyncClient, model: str, tok: Tokenizer, args: argparse.Namespace, concurrency: int,
+    rng: random.Random, desc: str,
+) -> tuple[list[RequestRecord], float]:
+    """`args.sessions` conversations, `concurrency` at a time; each call resends the whole conversation."""
+    system, _ = exact_prompt(tok, args.system_len, random.Random(args.seed))  # the same for every session
+    limit = asyncio.Semaphore(concurrency)
+    bar = tqdm(total=args.sessions * args.turns, desc=desc, leave=False)
+    start = time.perf_counter()
+
+    async def session(index: int) -> list[RequestRecord]:
+        messages = [{"role": "system", "content": system}]
+        records: list[RequestRecord] = []
+        async with limit:
+            for turn in range(args.turns):
+                user, n = exact_prompt(tok, args.input_len, rng)
+                messages.append({"role": "user", "content": user})
+                rec = await send(client, "openai-chat", model,
+                                 BenchRequest(user, n, args.output_len, tuple(messages)))
+                rec.session, rec.turn = index, turn
+                records.append(rec)
+                bar.update(1)
+                if not rec.success:
+                    break  # the conversation cannot go on without the answer
+                messages.append({"role": "assistant", "content": rec.text})
+        return records
+
+    per_session = await asyncio.gather(*(session(i) for i in range(args.sessions)))
+    bar.close()
+    return [r for rs in per_session for r in rs], time.perf_counter() - start
+
+
 async def _served_model(client: httpx.AsyncClient, backend: str) -> str:
     if backend == "ollama":
         return (await client.get("/api/tags")).json()["models"][0]["name"]
@@ -148,16 +189,26 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout,
                                  limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as client:
         model = args.model or await _served_model(client, args.backend)
+        if args.dataset == "agentic":
+            input_lens = [args.system_len]
         for input_len in input_lens:
             for conc, rate in loads:
-                warm = workload(tok, args.warmup, input_len, min(args.output_len, 8), 0.0, rng)
+                warm_len = input_len if args.dataset == "fixed" else args.input_len
+                warm = workload(tok, args.warmup, warm_len, min(args.output_len, 8), 0.0, rng)
                 if warm:
                     await run_point(client, args.backend, model, warm, conc, None, rng, None, "warm-up")
-                reqs = workload(tok, args.num_prompts, input_len, args.output_len, args.random_range_ratio, rng)
                 label = f"in={input_len} " + (f"rate={rate}/s" if rate else f"c={conc}")
-                records, duration = await run_point(client, args.backend, model, reqs, conc, rate, rng,
-                                                    args.max_duration, label)
+                if args.dataset == "agentic":
+                    records, duration = await run_agentic_point(client, model, tok, args, conc or 1, rng, label)
+                else:
+                    reqs = workload(tok, args.num_prompts, input_len, args.output_len, args.random_range_ratio, rng)
+                    records, duration = await run_point(client, args.backend, model, reqs, conc, rate, rng,
+                                                        args.max_duration, label)
                 summary = summarize(records, duration, args.slo_ttft, args.slo_tpot)
+                if args.dataset == "agentic":  # first calls (cold) against the calls that resend a conversation
+                    ok = [r for r in records if r.success and r.ttft is not None]
+                    summary.update(distribution([r.ttft for r in ok if r.turn == 0], "ttft_cold_s"))
+                    summary.update(distribution([r.ttft for r in ok if r.turn], "ttft_warm_s"))
                 points.append({"input_len": input_len, "concurrency": conc, "request_rate": rate, **summary})
                 for r in records:
                     r.concurrency = conc
@@ -187,6 +238,8 @@ def _ms(v: float | None) -> str:
 def run_bench_serve(args: argparse.Namespace) -> int:
     from tokenloom.bench.report import write_report
 
+    if args.dataset == "agentic" and args.backend != "openai-chat":
+        raise ConfigError("--dataset agentic needs --backend openai-chat (the conversation is sent as messages)")
     result = asyncio.run(_main(args))
     report = write_report(args.out)
     print(f"knee (by prompt length): {result['knee']}; report: {report}")

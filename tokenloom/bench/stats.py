@@ -34,6 +34,9 @@ class RequestRecord:
     concurrency: int | None = None  # the sweep point it belonged to
     server_prefill_s: float | None = None  # Ollama's prompt_eval_duration, when the server reports it
     server_decode_s: float | None = None  # Ollama's eval_duration
+    session: int | None = None  # multi-turn workloads: which conversation ...
+    turn: int | None = None  # ... and which call of it (0 = the first, cold one)
+    text: str = ""  # the generated text (feeds the next turn; not written to the records file)
 
     @property
     def ttft(self) -> float | None:
@@ -56,6 +59,7 @@ class RequestRecord:
     def to_row(self) -> dict[str, Any]:
         row = asdict(self)
         row.pop("chunk_times")
+        row.pop("text")
         row.update(ttft=self.ttft, tpot=self.tpot, e2el=self.e2el, itl_mean=_mean(self.itls))
         return row
 
