@@ -19,6 +19,7 @@ import time
 import httpx
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.bench.client import wait_until_healthy
 
 
 def prompts(llm_tok: object, n: int, length: int) -> list[list[int]]:
@@ -58,12 +59,7 @@ def served(ps: list[list[int]], out_len: int, repeats: int) -> float:
                              "--kv-cache-memory", "1GiB", "--max-model-len", "1024"])
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_until_healthy(url)
 
         async def run() -> float:
             async with httpx.AsyncClient(base_url=url, timeout=600) as c:

@@ -149,18 +149,9 @@ class LiveServer:
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
-        import httpx
+        from tokenloom.bench.client import wait_until_healthy
 
-        for _ in range(400):
-            try:
-                if httpx.get(self.url + "/health").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            import time
-
-            time.sleep(0.025)
-        raise RuntimeError("the test server did not start")
+        wait_until_healthy(self.url, timeout=30)
 
     def close(self) -> None:
         self._server.should_exit = True

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import LiveServer
+from tokenloom.bench.client import wait_until_healthy
 from tokenloom.errors import EngineDead, Overloaded
 
 
@@ -234,12 +235,7 @@ def test_sigterm_drains_and_exits_zero(tiny_llama: Path) -> None:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_until_healthy(url)
         body = {"model": tiny_llama.name, "prompt": "drain me", "max_tokens": 60, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()

@@ -128,3 +128,16 @@ async def _ollama(client: httpx.AsyncClient, model: str, req: BenchRequest, rec:
                     rec.server_decode_s = obj["eval_duration"] / 1e9
     if not rec.output_tokens:
         rec.output_tokens = chunks
+
+
+def wait_until_healthy(base_url: str, timeout: float = 120.0) -> None:
+    """Poll `GET /health` until it answers 200; raise TimeoutError if it has not within `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base_url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{base_url} did not become healthy within {timeout:.0f} s")
