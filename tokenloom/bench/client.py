@@ -130,12 +130,12 @@ async def _ollama(client: httpx.AsyncClient, model: str, req: BenchRequest, rec:
         rec.output_tokens = chunks
 
 
-def wait_until_healthy(base_url: str, timeout: float = 120.0) -> None:
-    """Poll `GET /health` until it answers 200; raise TimeoutError if it has not within `timeout` s."""
+def wait_until_healthy(base_url: str, timeout: float = 120.0, path: str = "/health") -> None:
+    """Poll `GET path` until it answers 200; raise TimeoutError if it has not within `timeout` s."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if httpx.get(base_url + "/health", timeout=5).status_code == 200:
+            if httpx.get(base_url + path, timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

