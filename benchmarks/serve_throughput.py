@@ -28,7 +28,9 @@ def prompts(llm_tok: object, n: int, length: int) -> list[list[int]]:
 
 
 def offline(ps: list[list[int]], out_len: int, repeats: int) -> float:
-    llm = LLM(kv_cache_memory="1GiB", max_model_len=1024)
+    # Prefix caching off on both sides: every repeat sends the same prompts, and this script measures
+    # the HTTP layer's cost, not cache hits.
+    llm = LLM(kv_cache_memory="1GiB", max_model_len=1024, enable_prefix_caching=False)
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     llm.generate(ps[:2], sp)
     rates = []
@@ -56,7 +58,7 @@ def served(ps: list[list[int]], out_len: int, repeats: int) -> float:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "tokenloom.cli", "serve", "--port", str(port),
-                             "--kv-cache-memory", "1GiB", "--max-model-len", "1024"])
+                             "--kv-cache-memory", "1GiB", "--max-model-len", "1024", "--no-prefix-caching"])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(url)

@@ -45,14 +45,19 @@ def test_arrival_order_does_not_matter(tiny_llama: Path, baseline: list[list[int
     assert greedy_ids(llm, PROMPTS[::-1]) == baseline[::-1]
 
 
-def test_tiny_cache_forces_preemption_and_output_is_unchanged(tiny_llama: Path, baseline: list[list[int]]) -> None:
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_tiny_cache_forces_preemption_and_output_is_unchanged(tiny_llama: Path, baseline: list[list[int]],
+                                                              prefix_caching: bool) -> None:
     # 2 KiB per block (K,V x 2 layers x 2 heads x 16 dims x 4 bytes x 4 tokens): 80 blocks = 320 tokens,
     # a little more than one sequence of max_model_len 256, far less than ten prompts with their outputs.
-    llm = LLM(str(tiny_llama), dtype="float32", block_size=4, max_model_len=256, kv_cache_memory=str(80 * 2048))
+    llm = LLM(str(tiny_llama), dtype="float32", block_size=4, max_model_len=256, kv_cache_memory=str(80 * 2048),
+              enable_prefix_caching=prefix_caching)
     assert llm.engine.capacity.num_blocks == 80
     prompts = PROMPTS * 2
     assert greedy_ids(llm, prompts) == baseline * 2
-    assert llm.engine.scheduler.num_preemptions > 0
+    # Without caching the duplicated prompts cannot all fit; with it they share their prompt blocks.
+    assert llm.engine.scheduler.num_preemptions > 0 or prefix_caching
+    llm.engine.kv.pool.check_invariants()
     assert llm.engine.kv.pool.num_free == 80
 
 

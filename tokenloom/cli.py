@@ -30,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget per step")
     g.add_argument("--attention-backend", default=d.attention_backend, choices=list(BACKENDS),
                    help="auto: C++ paged kernel on CPU (sdpa if it cannot build), sdpa on CUDA")
+    g.add_argument("--prefix-caching", dest="enable_prefix_caching", default=d.enable_prefix_caching,
+                   action=argparse.BooleanOptionalAction,
+                   help="reuse the K/V of full blocks across requests with a common prefix (on by default)")
     g.add_argument("--seed", type=int, default=d.seed, help="sampler seed for requests without their own")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
 

@@ -22,6 +22,7 @@ class EngineConfig:
     max_num_seqs: int = 128  # sequences in one step
     max_num_batched_tokens: int = 512  # tokens in one step: decodes + prefill chunks
     attention_backend: str = "auto"  # auto | cpu | sdpa | reference
+    enable_prefix_caching: bool = True  # share the K/V of full blocks between requests with a common prefix
     seed: int = 0  # seeds the sampler of requests that bring no seed of their own
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
 

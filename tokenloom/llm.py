@@ -20,7 +20,7 @@ class LLM:
     """Loads a model once and generates for many prompts with continuous batching.
 
     Keyword arguments are `EngineConfig` fields: dtype, block_size, kv_cache_memory, max_model_len,
-    max_num_seqs, max_num_batched_tokens, attention_backend, seed, num_threads, device.
+    max_num_seqs, max_num_batched_tokens, attention_backend, enable_prefix_caching, seed, num_threads, device.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -33,6 +33,14 @@ class LLM:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def stats(self) -> dict[str, float]:
+        """Engine counters: steps, tokens, preemptions, prefix-cache queries/hits (tokens), KV blocks."""
+        return self.engine.get_stats()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prefixes no running request uses; returns the number of blocks freed."""
+        return self.engine.reset_prefix_cache()
 
     def generate(
         self,

@@ -46,7 +46,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -68,4 +68,5 @@ def merge_delta(prev: RequestOutput | None, delta: RequestOutput) -> RequestOutp
     prev.outputs = [by_index[i] for i in sorted(by_index)]
     prev.finished = delta.finished
     prev.metrics = delta.metrics
+    prev.num_cached_tokens = delta.num_cached_tokens
     return prev

@@ -75,6 +75,7 @@ class TokenloomRunner:
     def decode(self, prompt: list[int], n: int) -> float:
         from tokenloom.sampling_params import SamplingParams
 
+        self.llm.reset_prefix_cache()  # every run computes its prompt: repeats must not hit the cache
         first = None
         count = 0
         for d in self.llm.stream(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)):
@@ -88,6 +89,7 @@ class TokenloomRunner:
     def throughput(self, prompts: list[list[int]], n: int) -> float:
         from tokenloom.sampling_params import SamplingParams
 
+        self.llm.reset_prefix_cache()
         t = time.perf_counter()
         outs = self.llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
         el = time.perf_counter() - t
@@ -96,6 +98,7 @@ class TokenloomRunner:
     def prefill(self, prompt: list[int]) -> float:
         from tokenloom.sampling_params import SamplingParams
 
+        self.llm.reset_prefix_cache()
         t = time.perf_counter()
         self.llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
         return len(prompt) / (time.perf_counter() - t)

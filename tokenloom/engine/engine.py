@@ -79,7 +79,7 @@ class LLMEngine:
             )
         spec = KVCacheSpec.for_model(mcfg, config.block_size, self.loaded.dtype)
         self.capacity = plan_capacity(spec, config.kv_cache_memory, self.device, self.max_model_len)
-        self.kv = KVCacheManager(self.capacity.num_blocks, config.block_size)
+        self.kv = KVCacheManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching)
         kv_tensors = allocate_kv_cache(spec, self.capacity.num_blocks, self.device)
         self.runner = ModelRunner(self.loaded.model, kv_tensors, config.block_size, self.backend, self.device)
         self.scheduler = Scheduler(
@@ -176,6 +176,27 @@ class LLMEngine:
                 outs.append(delta)
         return self._request_output(req, outs, finished=True)
 
+    def get_stats(self) -> dict[str, float]:
+        """Counters since start: steps, tokens, preemptions, prefix cache (tokens) and KV blocks."""
+        pc, pool = self.kv.stats, self.kv.pool
+        return {
+            "steps": self.stats.steps,
+            "prompt_tokens_computed": self.stats.prompt_tokens,
+            "generated_tokens": self.stats.generated_tokens,
+            "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": pc.queries,
+            "prefix_cache_hits": pc.hits,
+            "prefix_cache_hit_rate": pc.hit_rate,
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used,
+            "kv_blocks_cached": pool.num_cached,
+            "kv_blocks_evicted": pool.num_evictions,
+        }
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block nobody is using (e.g. between benchmark runs); returns how many."""
+        return self.kv.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -208,6 +229,7 @@ class LLMEngine:
             else:
                 seq.times.decode_seconds += step_time
             seq.num_computed_tokens += n
+            self.kv.cache_full_blocks(seq)
         for row, res in zip(rows, results):
             seq = batch.seqs[row]
             status = append_tokens(seq, [res.token_id], [res.logprob], self.tokenizer)
@@ -247,6 +269,7 @@ class LLMEngine:
             outputs=outs,
             finished=finished,
             metrics=_metrics(req),
+            num_cached_tokens=req.seqs[0].num_cached_tokens or 0,
         )
 
 

@@ -4,7 +4,8 @@ Each step gives every running sequence the tokens it needs next (1 for a decode,
 within `max_num_batched_tokens`, then admits waiting sequences in (priority, arrival) order while budget,
 `max_num_seqs` and free KV blocks allow. Decodes are served before prefill chunks so a long prompt never
 stalls other sequences' decoding. When blocks run out, the running sequence with the lowest priority and
-latest arrival is preempted: its blocks are freed and it is recomputed from scratch later.
+latest arrival is preempted: its blocks are freed and it is recomputed later (from its first block that
+is no longer in the prefix cache).
 """
 
 from __future__ import annotations
@@ -113,11 +114,13 @@ class Scheduler:
                 scheduled[id(seq)] = (seq, n)
                 budget -= n
 
-        # Waiting sequences, unless this step already had to preempt (no room to grow).
+        # Waiting sequences, unless this step already had to preempt (no room to grow). Each starts
+        # after the longest prefix of its tokens already in the cache.
         while not preempted and self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self._waiting[0][2]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(seq, n):
+            cached = self.kv.find_cached_prefix(seq)
+            n = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
+            if not self.kv.allocate_slots(seq, n, cached):
                 break
             heapq.heappop(self._waiting)
             seq.status = SequenceStatus.RUNNING

@@ -59,6 +59,11 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
+    # Prefix caching: chained hashes of the full blocks of token_ids (memoized), how many of
+    # block_ids are indexed in the cache, and how many prompt tokens the first admission found cached.
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    num_cached_tokens: int | None = None
     num_preemptions: int = 0
     # Output side.
     decoder: DecodeStream | None = None

@@ -45,9 +45,14 @@ class ServingMetrics:
         self.waiting = Gauge("tokenloom:num_requests_waiting", "Sequences waiting", lbl, registry=r).labels(model_name)
         self.kv_usage = Gauge("tokenloom:kv_cache_usage_perc", "Fraction of KV blocks in use", lbl,
                               registry=r).labels(model_name)
+        self.prefix_queries = Counter("tokenloom:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      lbl, registry=r).labels(model_name)
+        self.prefix_hits = Counter("tokenloom:prefix_cache_hits", "Prompt tokens served from the prefix cache", lbl,
+                                   registry=r).labels(model_name)
         self.model_name = model_name
         self._last_token: dict[str, float] = {}
         self._preemptions_seen = 0
+        self._prefix_seen = (0, 0)  # (queries, hits) already counted
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -69,6 +74,10 @@ class ServingMetrics:
         self.kv_usage.set(engine.kv.usage)
         self.preemptions.inc(sched.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = sched.num_preemptions
+        pc = engine.kv.stats
+        self.prefix_queries.inc(pc.queries - self._prefix_seen[0])
+        self.prefix_hits.inc(pc.hits - self._prefix_seen[1])
+        self._prefix_seen = (pc.queries, pc.hits)
 
     def _finished(self, out: RequestOutput) -> None:
         self._last_token.pop(out.request_id, None)

@@ -145,8 +145,15 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     timing = _timing(merged[-1].metrics)
     prompt_tokens = sum(len(ids) for ids in prompts)
     request.state.usage.update(prompt_tokens=prompt_tokens, completion_tokens=usage_out)
-    return {**base, "choices": result, "metrics": timing,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": usage_out, "total_tokens": prompt_tokens + usage_out}}
+    cached = sum(out.num_cached_tokens for out in merged)
+    return {**base, "choices": result, "metrics": timing, "usage": _usage(prompt_tokens, usage_out, cached)}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object; cached_tokens: prompt tokens served from the prefix cache."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _completion_logprobs(lps: list[Any], tok: Any) -> dict[str, Any]:
@@ -180,9 +187,11 @@ async def _completion_sse(first: Any, stream: AsyncIterator[tuple[int, RequestOu
                           usage: dict[str, int]) -> AsyncIterator[str]:
     completion_tokens = 0
     usage["prompt_tokens"] = sum(len(p) for p in prompts)
+    cached: dict[int, int] = {}  # prompt index -> its cached tokens
 
     try:
         async for i, out in _chain(first, stream):
+            cached[i] = out.num_cached_tokens
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 usage["completion_tokens"] = completion_tokens
@@ -194,8 +203,7 @@ async def _completion_sse(first: Any, stream: AsyncIterator[tuple[int, RequestOu
                 yield _sse(piece)
         if body.stream_options and body.stream_options.include_usage:
             pt = sum(len(p) for p in prompts)
-            yield _sse({**base, "choices": [], "usage": {"prompt_tokens": pt, "completion_tokens": completion_tokens,
-                                                          "total_tokens": pt + completion_tokens}})
+            yield _sse({**base, "choices": [], "usage": _usage(pt, completion_tokens, sum(cached.values()))})
     except Exception as e:  # noqa: BLE001 - a stream that has started ends with an error event
         yield _sse(json.loads(error_response(e).body))
     yield "data: [DONE]\n\n"
@@ -230,8 +238,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     request.state.usage.update(prompt_tokens=len(ids), completion_tokens=completion_tokens)
     timing = _timing(out.metrics)
     return {**base, "object": "chat.completion", "choices": result, "metrics": timing,
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
-                      "total_tokens": len(ids) + completion_tokens}}
+            "usage": _usage(len(ids), completion_tokens, out.num_cached_tokens)}
 
 
 def _chat_logprobs(lps: list[Any], tok: Any) -> list[dict[str, Any]]:
@@ -246,7 +253,7 @@ async def _chat_sse(first: Any, stream: AsyncIterator[tuple[int, RequestOutput]]
                     body: ChatCompletionRequest, prompt_tokens: int, tok: Any,
                     usage: dict[str, int]) -> AsyncIterator[str]:
     chunk = {**base, "object": "chat.completion.chunk"}
-    completion_tokens = 0
+    completion_tokens = cached = 0
     usage["prompt_tokens"] = prompt_tokens
     for i in range(body.n):
         yield _sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -254,6 +261,7 @@ async def _chat_sse(first: Any, stream: AsyncIterator[tuple[int, RequestOutput]]
 
     try:
         async for _, out in _chain(first, stream):
+            cached = out.num_cached_tokens
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 usage["completion_tokens"] = completion_tokens
@@ -265,8 +273,7 @@ async def _chat_sse(first: Any, stream: AsyncIterator[tuple[int, RequestOutput]]
                     piece["metrics"] = _timing(out.metrics)
                 yield _sse(piece)
         if body.stream_options and body.stream_options.include_usage:
-            yield _sse({**chunk, "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens":
-                                                          completion_tokens, "total_tokens": prompt_tokens + completion_tokens}})
+            yield _sse({**chunk, "choices": [], "usage": _usage(prompt_tokens, completion_tokens, cached)})
     except Exception as e:  # noqa: BLE001
         yield _sse(json.loads(error_response(e).body))
     yield "data: [DONE]\n\n"
