@@ -34,6 +34,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    action=argparse.BooleanOptionalAction,
                    help="reuse the K/V of full blocks across requests with a common prefix (on by default)")
     g.add_argument("--seed", type=int, default=d.seed, help="sampler seed for requests without their own")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative", default=None, choices=["ngram", "draft", "self"],
+                   help="ngram: prompt lookup; draft: a small model (--draft-model); self: the target's first "
+                        "--draft-layers layers")
+    s.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+                   help="draft tokens verified per step")
+    s.add_argument("--draft-model", default=None, help="HF folder or .gguf of a draft sharing the tokenizer")
+    s.add_argument("--draft-layers", type=int, default=None, help="self-draft: layers of the target to use")
+    s.add_argument("--prompt-lookup-max", type=int, default=d.prompt_lookup_max, help="ngram: longest n-gram")
+    s.add_argument("--prompt-lookup-min", type=int, default=d.prompt_lookup_min, help="ngram: shortest n-gram")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
 
 

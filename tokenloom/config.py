@@ -11,6 +11,9 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
 
 
+SPECULATIVE_METHODS = (None, "ngram", "draft", "self")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF folder or .gguf file; None = embedded SmolLM2-135M-Instruct
@@ -23,6 +26,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens in one step: decodes + prefill chunks
     attention_backend: str = "auto"  # auto | cpu | sdpa | reference
     enable_prefix_caching: bool = True  # share the K/V of full blocks between requests with a common prefix
+    # Speculative decoding: None | "ngram" (prompt lookup) | "draft" (--draft-model) | "self" (first
+    # --draft-layers layers of the target). k = num_speculative_tokens drafts verified per step.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    draft_layers: int | None = None
+    prompt_lookup_max: int = 4  # ngram: longest suffix n-gram to match
+    prompt_lookup_min: int = 1  # ngram: shortest
     seed: int = 0  # seeds the sampler of requests that bring no seed of their own
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
 
@@ -41,6 +52,23 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"--num-threads must be >= 1, got {self.num_threads!r}")
         parse_memory(self.kv_cache_memory)  # validates early
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ConfigError(f"--speculative must be one of {', '.join(m for m in SPECULATIVE_METHODS if m)}, "
+                              f"got {self.speculative!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(f"--num-speculative-tokens must be in [1, 16], got {self.num_speculative_tokens!r}")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ConfigError("--draft-model goes with --speculative draft, and --speculative draft needs it")
+        if (self.speculative == "self") != (self.draft_layers is not None):
+            raise ConfigError("--draft-layers goes with --speculative self, and --speculative self needs it")
+        if self.draft_layers is not None and self.draft_layers < 1:
+            raise ConfigError(f"--draft-layers must be >= 1, got {self.draft_layers}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(f"need 1 <= --prompt-lookup-min ({self.prompt_lookup_min}) <= --prompt-lookup-max "
+                              f"({self.prompt_lookup_max})")
 
 
 def parse_memory(spec: str | int | float) -> tuple[int | None, float | None]:

@@ -21,12 +21,15 @@ from tokenloom.engine.kv_cache_manager import KVCacheManager
 from tokenloom.engine.output_processor import append_tokens, take_delta
 from tokenloom.engine.runner import ModelRunner
 from tokenloom.engine.sampler import Sampler
-from tokenloom.engine.scheduler import Scheduler, SchedulerConfig
+from tokenloom.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenloom.engine.sequence import Sequence, SequenceStatus
 from tokenloom.errors import ConfigError, ContextTooLong, InvalidRequest
 from tokenloom.models.loader import LoadedModel, load_model
 from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.spec.draft import DraftModelProposer
+from tokenloom.spec.ngram import NgramProposer
+from tokenloom.spec.verify import Verified, can_speculate, verify
 
 log = logging.getLogger("tokenloom.engine")
 
@@ -39,6 +42,27 @@ class _Request:
     params: SamplingParams
     seqs: list[Sequence]
     arrival: float
+
+
+@dataclass
+class SpecDecodeStats:
+    num_drafts: int = 0  # verification steps of speculating sequences
+    draft_tokens: int = 0  # draft tokens proposed and verified
+    accepted_tokens: int = 0  # of those, accepted
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification step: accepted drafts + the target's own token."""
+        return 1.0 + self.accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass
@@ -77,8 +101,12 @@ class LLMEngine:
                 f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{mcfg.max_position_embeddings}"
             )
+        self.draft = self._load_draft()
         spec = KVCacheSpec.for_model(mcfg, config.block_size, self.loaded.dtype)
-        self.capacity = plan_capacity(spec, config.kv_cache_memory, self.device, self.max_model_len)
+        draft_spec = (KVCacheSpec.for_model(self.draft.config, config.block_size, self.draft.dtype)
+                      if self.draft is not None else None)
+        self.capacity = plan_capacity(spec, config.kv_cache_memory, self.device, self.max_model_len,
+                                      draft_spec.bytes_per_block if draft_spec else 0)
         self.kv = KVCacheManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching)
         kv_tensors = allocate_kv_cache(spec, self.capacity.num_blocks, self.device)
         self.runner = ModelRunner(self.loaded.model, kv_tensors, config.block_size, self.backend, self.device)
@@ -86,6 +114,18 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
         )
         self.sampler = Sampler(config.seed, self.device)
+        self.spec_stats = SpecDecodeStats()
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        if config.speculative == "ngram":
+            self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max,
+                                          config.prompt_lookup_min)
+        elif config.speculative == "self":
+            self.proposer = DraftModelProposer(self.runner, self.loaded.model, kv_tensors[: config.draft_layers],
+                                               self.sampler, shares_target_cache=True)
+        elif self.draft is not None and draft_spec is not None:
+            draft_kv = allocate_kv_cache(draft_spec, self.capacity.num_blocks, self.device)
+            self.proposer = DraftModelProposer(self.runner, self.draft.model, draft_kv, self.sampler,
+                                               shares_target_cache=False)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self._arrivals = itertools.count()
@@ -100,6 +140,25 @@ class LLMEngine:
     @property
     def model_name(self) -> str:
         return self.loaded.name
+
+    def _load_draft(self) -> LoadedModel | None:
+        """The --draft-model (it must share the target's vocabulary); checks --draft-layers for self."""
+        cfg, mcfg = self.config, self.model_config
+        if cfg.speculative == "self" and cfg.draft_layers is not None and cfg.draft_layers >= mcfg.num_hidden_layers:
+            raise ConfigError(f"--draft-layers {cfg.draft_layers} must be fewer than the model's "
+                              f"{mcfg.num_hidden_layers} layers")
+        if cfg.speculative != "draft" or cfg.draft_model is None:
+            return None
+        draft = load_model(cfg.draft_model, cfg.dtype, self.device, self.backend, self.max_model_len)
+        if isinstance(self.backend, CPUBackend):
+            draft.model.set_kernels(self.backend.kernels)
+        if draft.config.vocab_size != mcfg.vocab_size:
+            raise ConfigError(f"--draft-model vocabulary ({draft.config.vocab_size}) differs from the target's "
+                              f"({mcfg.vocab_size}); a draft must share the target's tokenizer")
+        if draft.config.max_position_embeddings < self.max_model_len and draft.config.rope_scaling.kind == "default":
+            raise ConfigError(f"--draft-model max_position_embeddings {draft.config.max_position_embeddings} is "
+                              f"below max_model_len {self.max_model_len}")
+        return draft
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -191,6 +250,11 @@ class LLMEngine:
             "kv_blocks_used": pool.num_used,
             "kv_blocks_cached": pool.num_cached,
             "kv_blocks_evicted": pool.num_evictions,
+            "spec_decode_num_drafts": self.spec_stats.num_drafts,
+            "spec_decode_draft_tokens": self.spec_stats.draft_tokens,
+            "spec_decode_accepted_tokens": self.spec_stats.accepted_tokens,
+            "spec_decode_acceptance_rate": self.spec_stats.acceptance_rate,
+            "spec_decode_mean_accepted_length": self.spec_stats.mean_accepted_length,
         }
 
     def reset_prefix_cache(self) -> int:
@@ -216,31 +280,88 @@ class LLMEngine:
             if seq.times.first_scheduled is None:
                 seq.times.first_scheduled = t0
         rows, logits = self.runner.execute(batch)
-        results = self.sampler(logits, [batch.seqs[r] for r in rows]) if logits is not None else []
-        t1 = time.monotonic()
+        sampled = self._sample(batch, rows, logits)
         self.stats.steps += 1
-        step_time = t1 - t0
         touched: dict[str, _Request] = {}
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            prefilling = seq.num_computed_tokens < seq.prompt_len
-            if prefilling:
+        finished: list[tuple[Sequence, SequenceStatus]] = []
+        t1 = time.monotonic()
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.num_computed_tokens < seq.prompt_len:
                 self.stats.prompt_tokens += n
-                seq.times.prefill_seconds += step_time
+                seq.times.prefill_seconds += t1 - t0
             else:
-                seq.times.decode_seconds += step_time
-            seq.num_computed_tokens += n
+                seq.times.decode_seconds += t1 - t0
+            out = sampled.get(i)
+            speculated = bool(seq.spec_token_ids)
+            # K/V is now valid for the scheduled tokens, except draft tokens the target rejected.
+            seq.num_computed_tokens += n if out is None or not speculated else 1 + out.num_accepted
+            status = None
+            if out is not None:
+                status = append_tokens(seq, out.token_ids, out.logprobs, self.tokenizer)
+                self.stats.generated_tokens += len(out.token_ids)
+                if seq.times.first_token is None:
+                    seq.times.first_token = t1
+                seq.times.last_token = t1
+                touched[seq.request_id] = self.requests[seq.request_id]
+            if speculated:
+                self.spec_stats.record(len(seq.spec_token_ids), out.num_accepted if out else 0)
+                # A stop inside the accepted run leaves computed tokens past the end: never count those.
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+                seq.draft_num_computed = min(seq.draft_num_computed, seq.num_computed_tokens)
+                seq.spec_token_ids, seq.spec_draft_probs = [], None
+                self.kv.trim(seq)
             self.kv.cache_full_blocks(seq)
-        for row, res in zip(rows, results):
-            seq = batch.seqs[row]
-            status = append_tokens(seq, [res.token_id], [res.logprob], self.tokenizer)
-            self.stats.generated_tokens += 1
-            if seq.times.first_token is None:
-                seq.times.first_token = t1
-            seq.times.last_token = t1
             if status is not None:
-                self._finish(seq, status)
-            touched[seq.request_id] = self.requests[seq.request_id]
+                finished.append((seq, status))
+        for seq, status in finished:
+            self._finish(seq, status)
+        if self.proposer is not None:
+            self._propose()
         return [o for o in (self._collect(req) for req in touched.values()) if o is not None]
+
+    def _sample(self, batch: ScheduledBatch, rows: list[int], logits: torch.Tensor | None) -> dict[int, Verified]:
+        """Batch row -> its new tokens: one sampled token, or the verified run of a speculating sequence."""
+        if logits is None:
+            return {}
+        by_row: dict[int, list[int]] = {}
+        for r, b in enumerate(rows):
+            by_row.setdefault(b, []).append(r)
+        plain = [b for b in by_row if not batch.seqs[b].spec_token_ids]
+        out: dict[int, Verified] = {}
+        if plain:
+            idx = [by_row[b][0] for b in plain]
+            results = self.sampler(logits[idx], [batch.seqs[b] for b in plain])
+            for b, res in zip(plain, results):
+                out[b] = Verified([res.token_id], [res.logprob], 0)
+        for b, rs in by_row.items():
+            if b not in out:
+                out[b] = verify(batch.seqs[b], logits[rs[0] : rs[-1] + 1], self.sampler)
+        return out
+
+    def _propose(self) -> None:
+        """Draft tokens for the next step of every decoding sequence that may speculate."""
+        k_max = self.config.num_speculative_tokens
+        seqs, ks = [], []
+        for seq in self.scheduler.running:
+            if seq.num_computed_tokens != seq.num_tokens - 1 or not can_speculate(seq):
+                continue  # still prefilling, or its sampling needs token-by-token decoding
+            # Never draft past max_tokens: the verified run ends with one target token.
+            k = min(k_max, seq.max_tokens - seq.num_output_tokens - 1)
+            if k <= 0 or not self.kv.allocate_slots(seq, 1 + k):
+                continue
+            seqs.append(seq)
+            ks.append(k)
+        if not seqs:
+            return
+        if isinstance(self.proposer, NgramProposer):
+            for seq, k in zip(seqs, ks):
+                seq.spec_token_ids = self.proposer.propose(seq, k)
+                seq.spec_draft_probs = None
+        else:
+            self.proposer.propose(seqs, ks)
+        for seq in seqs:
+            if not seq.spec_token_ids:
+                self.kv.trim(seq)  # no match: give the reserved slots back
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish(seq, status)

@@ -64,7 +64,9 @@ def free_memory_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
-def plan_capacity(spec: KVCacheSpec, budget: str, device: torch.device, max_model_len: int) -> KVCapacity:
+def plan_capacity(spec: KVCacheSpec, budget: str, device: torch.device, max_model_len: int,
+                  extra_bytes_per_block: int = 0) -> KVCapacity:
+    """Blocks the budget buys; `extra_bytes_per_block`: a draft model's K/V kept for the same blocks."""
     nbytes, fraction = parse_memory(budget)
     free = free_memory_bytes(device)
     nbytes = int(free * fraction) if fraction is not None else int(nbytes or 0)
@@ -72,14 +74,15 @@ def plan_capacity(spec: KVCacheSpec, budget: str, device: torch.device, max_mode
         raise ConfigError(
             f"--kv-cache-memory {budget} ({nbytes / 2**30:.2f} GiB) exceeds free memory ({free / 2**30:.2f} GiB)"
         )
-    num_blocks = nbytes // spec.bytes_per_block
+    per_block = spec.bytes_per_block + extra_bytes_per_block
+    num_blocks = nbytes // per_block
     blocks_per_seq = -(-max_model_len // spec.block_size)
     if num_blocks < blocks_per_seq:
         raise ConfigError(
             f"--kv-cache-memory {budget} holds {num_blocks * spec.block_size} tokens of KV, fewer than one "
             f"sequence of --max-model-len {max_model_len}; raise the budget or lower --max-model-len"
         )
-    return KVCapacity(int(num_blocks), spec.block_size, int(num_blocks * spec.bytes_per_block), max_model_len)
+    return KVCapacity(int(num_blocks), spec.block_size, int(num_blocks * per_block), max_model_len)
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -119,6 +119,14 @@ class KVCacheManager:
                 seq.block_ids[i] = canonical
         seq.num_cached_blocks = full
 
+    def trim(self, seq: Sequence) -> None:
+        """Return blocks past the ones `seq`'s tokens need (slots of rejected draft tokens). They lie
+        beyond its computed tokens, so they are its own and were never indexed in the cache."""
+        keep = -(-seq.num_tokens // self.block_size)
+        if len(seq.block_ids) > keep:
+            self.pool.free(list(reversed(seq.block_ids[keep:])))
+            del seq.block_ids[keep:]
+
     def free(self, seq: Sequence) -> None:
         # Free in reverse so a sequence's tail blocks are evicted first: its head is the part most
         # likely to be shared by a later request.

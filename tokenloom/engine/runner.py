@@ -2,14 +2,15 @@
 
 All sequences' new tokens are concatenated into one flat batch (T tokens). For each token the runner
 computes its position and its KV-cache slot; for each sequence, its block table and context length.
-Only sequences whose computed tokens reach the end of what they know get a logits row (a prefill chunk
-that stops mid-prompt samples nothing).
+Only sequences whose computed tokens reach the end of what they know get logits (a prefill chunk that
+stops mid-prompt samples nothing); a sequence verifying k draft tokens gets k + 1 rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -34,53 +35,84 @@ class ModelRunner:
         self.device = device
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
-        """Returns input_ids (T,), positions (T,), metadata, sampled batch rows, and their flat token index."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        seq_index: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        sample_tokens: list[int] = []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        """Returns input_ids (T,), positions (T,), metadata, the batch row of each logits row, and the
+        flat token index of each logits row."""
+        entries = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            seq_index.extend([i] * n)
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(start + n)
-            if start + n == seq.num_tokens:
-                sample_rows.append(i)
-                sample_tokens.append(query_start_loc[-1] - 1)
-        max_blocks = max(len(s.block_ids) for s in batch.seqs)
-        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in batch.seqs]
-        dev = self.device
-        pos = torch.tensor(positions, dtype=torch.long)
-        block_tables = torch.tensor(tables, dtype=torch.long)  # (S, max_blocks)
-        owner = torch.tensor(seq_index, dtype=torch.long)
-        slots = block_tables[owner, pos // self.block_size] * self.block_size + pos % self.block_size
-        meta = AttentionMetadata(
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_tables=block_tables.to(dev),
-            slot_mapping=slots.to(dev),
-            block_size=self.block_size,
-        )
-        return torch.tensor(input_ids, dtype=torch.long, device=dev), pos.to(dev), meta, sample_rows, sample_tokens
+            known = seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids
+            # A sequence whose step reaches the end of what it knows samples: one logits row, or
+            # 1 + k rows when it verifies k draft tokens.
+            num_logits = 1 + len(seq.spec_token_ids) if start + n == len(known) else 0
+            entries.append(StepInput(known[start : start + n], start, seq.block_ids, num_logits))
+        return build_step(entries, self.block_size, self.device)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor | None]:
-        """Run one step. Returns the batch rows that sample and their (rows, vocab) float32 logits."""
+        """Run one step. Returns the batch row of each logits row and the (rows, vocab) float32 logits."""
         input_ids, positions, meta, rows, token_idx = self.prepare(batch)
-        meta.plan = self.backend.plan(meta, self.device, self.model.config.sliding_window)
+        return rows, self.forward(self.model, self.kv_caches, input_ids, positions, meta, token_idx)
+
+    def forward(self, model: LlamaForCausalLM, kv_caches: list[KVCache], input_ids: torch.Tensor,
+                positions: torch.Tensor, meta: AttentionMetadata, token_idx: list[int]) -> torch.Tensor | None:
+        """One forward over a flat batch; logits of the tokens at `token_idx` (None if there are none).
+        `kv_caches` may be fewer than the model's layers: the self-draft runs only the first K."""
+        meta.plan = self.backend.plan(meta, self.device, model.config.sliding_window)
         # On CPU, oneDNN wins every matmul with 2+ rows, but a single-row matmul (one decoding
         # sequence) streams weights ~1.7x faster through ATen's own GEMV kernel.
         with _onednn(self.device.type != "cpu" or input_ids.numel() > 1):
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (T, hidden)
-            if not rows:
-                return rows, None
+            hidden = model(input_ids, positions, kv_caches, meta)  # (T, hidden)
+            if not token_idx:
+                return None
             idx = torch.tensor(token_idx, device=self.device)
-            return rows, self.model.compute_logits(hidden[idx])
+            return model.compute_logits(hidden[idx])
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One sequence's part of a flat batch."""
+
+    token_ids: list[int]  # the tokens to compute this step
+    start: int  # position of token_ids[0]
+    block_ids: list[int]  # the sequence's block table (covers start + len(token_ids) positions)
+    num_logits: int  # logits rows wanted for the last tokens (0: none)
+
+
+def build_step(entries: list[StepInput], block_size: int, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
+    """Flat model inputs for `entries`: input_ids (T,), positions (T,), attention metadata, the entry
+    index of each logits row and the flat token index of each logits row."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    seq_index: list[int] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    logit_rows: list[int] = []
+    logit_tokens: list[int] = []
+    for i, e in enumerate(entries):
+        n = len(e.token_ids)
+        input_ids.extend(e.token_ids)
+        positions.extend(range(e.start, e.start + n))
+        seq_index.extend([i] * n)
+        query_start_loc.append(query_start_loc[-1] + n)
+        seq_lens.append(e.start + n)
+        end = query_start_loc[-1]
+        logit_rows.extend([i] * e.num_logits)
+        logit_tokens.extend(range(end - e.num_logits, end))
+    max_blocks = max(len(e.block_ids) for e in entries)
+    tables = [e.block_ids + [0] * (max_blocks - len(e.block_ids)) for e in entries]
+    pos = torch.tensor(positions, dtype=torch.long)
+    block_tables = torch.tensor(tables, dtype=torch.long)  # (S, max_blocks)
+    owner = torch.tensor(seq_index, dtype=torch.long)
+    slots = block_tables[owner, pos // block_size] * block_size + pos % block_size
+    meta = AttentionMetadata(
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_tables=block_tables.to(device),
+        slot_mapping=slots.to(device),
+        block_size=block_size,
+    )
+    return torch.tensor(input_ids, dtype=torch.long, device=device), pos.to(device), meta, logit_rows, logit_tokens
 
 
 @contextmanager

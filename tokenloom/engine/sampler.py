@@ -46,14 +46,14 @@ class Sampler:
             token_ids[rows] = logits[rows].argmax(dim=-1)
         if not all(greedy):
             rows = [i for i, g in enumerate(greedy) if not g]
-            probs = self._probs([seqs[i] for i in rows], logits[rows])
+            probs = self.probs([seqs[i] for i in rows], logits[rows])
             token_ids[rows] = self._sample(probs, [seqs[i] for i in rows])
 
         ids = token_ids.tolist()
         want = [s.params.logprobs for s in seqs]
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         if any(w is not None for w in want):
-            logprobs = _logprobs(raw, ids, want)
+            logprobs = logprobs_of(raw, ids, want)
         return [SampleResult(t, lp) for t, lp in zip(ids, logprobs)]
 
     @staticmethod
@@ -82,7 +82,7 @@ class Sampler:
                     logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
     @staticmethod
-    def _probs(seqs: Seq[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def probs(seqs: Seq[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p; returns (S, vocab) probabilities."""
         temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype, device=logits.device)
         logits = logits / temps[:, None]
@@ -110,6 +110,10 @@ class Sampler:
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
 
+    def draw(self, probs: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
+        """One token per row of (unnormalized) `probs`, from each sequence's generator."""
+        return self._sample(probs, seqs).tolist()
+
     def _sample(self, probs: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         noise = torch.empty_like(probs)
         unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
@@ -133,7 +137,7 @@ def _needs_processing(s: Sequence) -> bool:
     )
 
 
-def _logprobs(raw: torch.Tensor, token_ids: list[int], want: list[int | None]) -> list[TokenLogprob | None]:
+def logprobs_of(raw: torch.Tensor, token_ids: list[int], want: list[int | None]) -> list[TokenLogprob | None]:
     lp = torch.log_softmax(raw, dim=-1)  # (S, vocab)
     ids = torch.tensor(token_ids, device=raw.device)
     chosen = lp.gather(1, ids[:, None]).squeeze(1)  # (S,)

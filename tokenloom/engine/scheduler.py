@@ -1,6 +1,7 @@
 """Token-budget continuous batching (one mechanism for prefill chunks and decodes, as in vLLM v1).
 
-Each step gives every running sequence the tokens it needs next (1 for a decode, a chunk for a prefill)
+Each step gives every running sequence the tokens it needs next (1 for a decode, 1 + k when it verifies k
+draft tokens, a chunk for a prefill)
 within `max_num_batched_tokens`, then admits waiting sequences in (priority, arrival) order while budget,
 `max_num_seqs` and free KV blocks allow. Decodes are served before prefill chunks so a long prompt never
 stalls other sequences' decoding. When blocks run out, the running sequence with the lowest priority and
@@ -83,6 +84,9 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_num_computed = 0
+        seq.spec_token_ids = []
+        seq.spec_draft_probs = None
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
@@ -100,7 +104,12 @@ class Scheduler:
                 break
             if seq not in self.running:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            spec = len(seq.spec_token_ids)  # draft tokens to verify: 1 + k tokens for a decode
+            n = min(seq.num_tokens - seq.num_computed_tokens + spec, budget)
+            if spec and n < 1 + spec:  # the budget cuts the drafts short: verify fewer
+                del seq.spec_token_ids[max(n - 1, 0):]
+                if seq.spec_draft_probs is not None:
+                    seq.spec_draft_probs = seq.spec_draft_probs[: len(seq.spec_token_ids)]
             while not self.kv.allocate_slots(seq, n):
                 victim = max(self.running, key=Sequence.sort_key)
                 self.running.remove(victim)

@@ -64,6 +64,12 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0
     num_cached_tokens: int | None = None
+    # Speculative decoding: draft tokens to verify next step (after token_ids), the draft model's
+    # probabilities for them when it sampled them ((k, vocab), None for greedy or n-gram drafts), and
+    # how many tokens the draft model's own KV cache holds.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: torch.Tensor | None = None
+    draft_num_computed: int = 0
     num_preemptions: int = 0
     # Output side.
     decoder: DecodeStream | None = None

@@ -49,10 +49,22 @@ class ServingMetrics:
                                       lbl, registry=r).labels(model_name)
         self.prefix_hits = Counter("tokenloom:prefix_cache_hits", "Prompt tokens served from the prefix cache", lbl,
                                    registry=r).labels(model_name)
+        self.spec_drafts = Counter("tokenloom:spec_decode_num_drafts", "Verification steps of speculating sequences",
+                                   lbl, registry=r).labels(model_name)
+        self.spec_draft_tokens = Counter("tokenloom:spec_decode_draft_tokens", "Draft tokens proposed and verified",
+                                         lbl, registry=r).labels(model_name)
+        self.spec_accepted = Counter("tokenloom:spec_decode_accepted_tokens", "Draft tokens accepted", lbl,
+                                     registry=r).labels(model_name)
+        self.spec_acceptance = Gauge("tokenloom:spec_decode_acceptance_rate", "Accepted / draft tokens since start",
+                                     lbl, registry=r).labels(model_name)
+        self.spec_mean_len = Gauge("tokenloom:spec_decode_mean_accepted_length",
+                                   "Tokens emitted per verification step since start (1 + accepted / drafts)", lbl,
+                                   registry=r).labels(model_name)
         self.model_name = model_name
         self._last_token: dict[str, float] = {}
         self._preemptions_seen = 0
         self._prefix_seen = (0, 0)  # (queries, hits) already counted
+        self._spec_seen = (0, 0, 0)  # (drafts, draft tokens, accepted tokens) already counted
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -78,6 +90,13 @@ class ServingMetrics:
         self.prefix_queries.inc(pc.queries - self._prefix_seen[0])
         self.prefix_hits.inc(pc.hits - self._prefix_seen[1])
         self._prefix_seen = (pc.queries, pc.hits)
+        sd = engine.spec_stats
+        self.spec_drafts.inc(sd.num_drafts - self._spec_seen[0])
+        self.spec_draft_tokens.inc(sd.draft_tokens - self._spec_seen[1])
+        self.spec_accepted.inc(sd.accepted_tokens - self._spec_seen[2])
+        self._spec_seen = (sd.num_drafts, sd.draft_tokens, sd.accepted_tokens)
+        self.spec_acceptance.set(sd.acceptance_rate)
+        self.spec_mean_len.set(sd.mean_accepted_length)
 
     def _finished(self, out: RequestOutput) -> None:
         self._last_token.pop(out.request_id, None)
