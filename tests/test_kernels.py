@@ -84,3 +84,35 @@ def test_paged_decode_matches_reference(dtype: torch.dtype, head_dim: int, hq: i
     meta = AttentionMetadata(list(range(len(lens) + 1)), lens, bt, slots, block)
     want = ReferenceBackend().forward(q, k_new, v_new, k_cache, v_cache, meta, head_dim**-0.5, window)
     torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("k_dim", [576, 100])  # a multiple of 32 (vector path) and one with a tail
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_matches_float32_reference(rows: int, k_dim: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    x = torch.randn(rows, k_dim).bfloat16()
+    w = torch.randn(300, k_dim).bfloat16()
+    b = torch.randn(300).bfloat16() if bias else None
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())  # exact products
+    got = K.skinny_linear(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 300)
+    # Only the final rounding to bfloat16 (and float32 summation order) separate the two.
+    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=2e-2)
+
+
+def test_skinny_linear_rows_do_not_depend_on_batch() -> None:
+    """A token's result is the same whether it is alone (decode) or among 1 + k (verification)."""
+    torch.manual_seed(5)
+    x = torch.randn(6, 576).bfloat16()
+    w = torch.randn(1000, 576).bfloat16()
+    together = K.skinny_linear(x, w, None)
+    for i in range(6):
+        assert torch.equal(K.skinny_linear(x[i : i + 1], w, None), together[i : i + 1])
+
+
+def test_skinny_linear_rejects_bad_shapes() -> None:
+    with pytest.raises(RuntimeError, match="1..8 rows"):
+        K.skinny_linear(torch.zeros(9, 32).bfloat16(), torch.zeros(4, 32).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="bfloat16 only"):
+        K.skinny_linear(torch.zeros(2, 32), torch.zeros(4, 32), None)

@@ -72,3 +72,30 @@ def test_cli_generate_streams_an_answer() -> None:
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "max concurrency at max_model_len=512" in r.stderr  # the capacity report
+
+
+SPEC_PROMPTS = [
+    "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the dog sat on the log.",
+    "Write a short poem about the ocean.",
+    "Why do cats purr?",
+    "Copy this list: apples, pears, plums, apples, pears, plums, figs.",
+    "How does a computer store numbers?",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "Spell the word 'banana' letter by letter.",
+    "What are three tips for staying focused while studying?",
+]
+
+
+@pytest.mark.parametrize("method", ["ngram", "self"])
+def test_speculative_greedy_outputs_identical(ours: LLM, smollm2_gguf: Path, method: str) -> None:
+    """Many prompts on the real model: speculation changes how many target passes run, never the tokens."""
+    extra = {"ngram": {}, "self": {"draft_layers": 20}}[method]
+    spec = LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory="256MiB", max_model_len=1024,
+               speculative=method, num_speculative_tokens=4, **extra)
+    sp = SamplingParams(temperature=0, max_tokens=48)
+    msgs = [[{"role": "user", "content": p}] for p in SPEC_PROMPTS]
+    want = [o.outputs[0].token_ids for o in ours.chat(msgs, sp)]
+    got = [o.outputs[0].token_ids for o in spec.chat(msgs, sp)]
+    assert got == want
+    s = spec.stats()
+    assert s["spec_decode_accepted_tokens"] > 0 and s["spec_decode_mean_accepted_length"] > 1.0

@@ -44,10 +44,11 @@ def server_command(peer: str, port: int, hf_dir: Path, bf16_gguf: Path, peers_di
         return [sys.executable, "-m", "tokenloom.cli", "serve", "--port", str(port), "--model", str(hf_dir),
                 "--served-model-name", "smollm2", "--max-model-len", str(max_model_len)], env
     if peer == "llamacpp":
-        # n_ctx is shared by the server's one sequence: the llama-cpp-python server runs requests one at a time.
+        # The llama-cpp-python server runs one request at a time, and by default a new request
+        # interrupts the running one (which then ends after a token or two): queue them instead.
         return [str(peers_dir / "llamacpp/bin/python"), "-m", "llama_cpp.server", "--model", str(bf16_gguf),
                 "--model_alias", "smollm2", "--port", str(port), "--n_ctx", str(max_model_len),
-                "--n_threads", str(threads), "--n_threads_batch", str(threads)], env
+                "--n_threads", str(threads), "--n_threads_batch", str(threads), "--interrupt_requests", "False"], env
     if peer == "vllm":
         env["VLLM_CPU_KVCACHE_SPACE"] = env.get("VLLM_CPU_KVCACHE_SPACE", "4")
         return [str(peers_dir / "vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
@@ -63,6 +64,20 @@ def version(peer: str, peers_dir: Path) -> str:
     code = f"import importlib.metadata as m, {mod} as x; print(getattr(x, '__version__', None) or m.version('{mod}'))"
     proc = subprocess.run([py, "-c", code], capture_output=True, text=True)
     return proc.stdout.strip() or "unknown"
+
+
+def wait_up(proc: subprocess.Popen[bytes], url: str, timeout: float) -> None:
+    """Until `url`/v1/models answers; raises TimeoutError early if the server process exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise TimeoutError(f"the server exited with status {proc.returncode} before it came up")
+        try:
+            wait_until_healthy(url, 5.0, path="/v1/models")
+            return
+        except TimeoutError:
+            continue
+    raise TimeoutError(f"{url} did not come up within {timeout:.0f} s")
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -114,7 +129,7 @@ def main() -> None:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             t0 = time.monotonic()
-            wait_until_healthy(f"http://127.0.0.1:{port}", args.startup_timeout, path="/v1/models")
+            wait_up(proc, f"http://127.0.0.1:{port}", args.startup_timeout)
             startup = time.monotonic() - t0
             bench = [sys.executable, "-m", "tokenloom.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
                      "--model", "smollm2", "--tokenizer", str(hf_dir), "--out", str(args.out / peer), *bench_args]

@@ -59,7 +59,10 @@ async def _openai(client: httpx.AsyncClient, backend: str, model: str, req: Benc
     body: dict[str, object] = {"model": model, "max_tokens": req.output_tokens, "temperature": 0.0, "stream": True,
                                "stream_options": {"include_usage": True}}
     if ignore_eos:
-        body["ignore_eos"] = True  # vLLM / tokenloom extension; other servers ignore unknown fields
+        # Exactly output_tokens from every server: ignore_eos (vLLM, tokenloom) and min_tokens (vLLM,
+        # tokenloom, llama.cpp's server); servers ignore the fields they do not know.
+        body["ignore_eos"] = True
+        body["min_tokens"] = req.output_tokens
     if backend == "openai-chat":
         body["messages"] = list(req.messages) or [{"role": "user", "content": req.prompt}]
         path = "/v1/chat/completions"

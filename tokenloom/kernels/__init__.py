@@ -1,6 +1,7 @@
 """Builds and loads the C++ CPU kernels (csrc/) with torch's JIT extension loader, once per machine.
 
-Kernels: paged decode attention, residual add + RMSNorm, SiLU-and-mul, rotary embedding. Each has a
+Kernels: paged decode attention, residual add + RMSNorm, SiLU-and-mul, rotary embedding, few-row bf16
+matmul (decode and speculative verification steps). Each has a
 pure-torch twin (models/layers.py, attention/sdpa.py) that is the test oracle and the path on CUDA.
 
 The first load compiles (about a minute on 2 cores) into torch's extension cache; later loads take
@@ -26,7 +27,7 @@ def load_cpu_kernels() -> ModuleType | None:
 
         return load(
             name="tokenloom_cpu_kernels",
-            sources=[str(_CSRC / f) for f in ("bindings.cpp", "paged_decode.cpp", "elementwise.cpp")],
+            sources=[str(_CSRC / f) for f in ("bindings.cpp", "paged_decode.cpp", "elementwise.cpp", "skinny_gemm.cpp")],
             # -march=native: built on the machine that runs it. -fno-math-errno lets exp() vectorise.
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
             extra_ldflags=["-fopenmp"],

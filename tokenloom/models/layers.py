@@ -1,4 +1,4 @@
-"""Layers shared by the model families: RMSNorm, rotary embedding (with scaling), SwiGLU MLP."""
+"""Layers shared by the model families: Linear, RMSNorm, rotary embedding (with scaling), SwiGLU MLP."""
 
 from __future__ import annotations
 
@@ -10,6 +10,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.models.config import RopeScaling
+
+
+SKINNY_MAX_ROWS = 8  # the C++ few-row matmul serves 1..8 rows (decode and speculative verification)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose few-row bfloat16 matmuls on CPU go to the C++ kernel that streams the weight once
+    (`kernels.skinny_linear`); everything else is F.linear, which is also its reference."""
+
+    kernels: ModuleType | None = None  # set only when the kernel has its AVX512-BF16 fast path
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.kernels
+        if (k is not None and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS and x.dtype == torch.bfloat16
+                and x.is_cpu and self.weight.dtype == torch.bfloat16 and self.weight.is_contiguous()):
+            return k.skinny_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -137,8 +154,8 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.intermediate_size = intermediate_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

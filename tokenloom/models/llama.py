@@ -15,7 +15,7 @@ from torch import nn
 from tokenloom.attention.base import AttentionBackend, AttentionMetadata
 from tokenloom.errors import ModelLoadError
 from tokenloom.models.config import ModelConfig
-from tokenloom.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
+from tokenloom.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: (k_cache, v_cache)
 CosSin = tuple[torch.Tensor, torch.Tensor]  # RoPE cos, sin per token: (T, 1, head_dim) each
@@ -26,8 +26,8 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
         self.backend = backend
@@ -75,7 +75,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.requires_grad_(False)
@@ -95,10 +95,13 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def set_kernels(self, kernels: ModuleType | None) -> None:
-        """Route norms, RoPE and SwiGLU through the fused C++ kernels (None: the torch reference ops)."""
+        """Route norms, RoPE, SwiGLU and few-row matmuls through the C++ kernels (None: the torch ops)."""
+        skinny = kernels if kernels is not None and kernels.skinny_available() else None
         for m in self.modules():
             if isinstance(m, (RMSNorm, SwiGLU, LlamaAttention)):
                 m.kernels = kernels
+            elif isinstance(m, Linear):
+                m.kernels = skinny
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32 logits, for the rows that get sampled only."""

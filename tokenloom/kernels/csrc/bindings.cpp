@@ -10,10 +10,14 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::
                                                 const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
 void rotary_inplace(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+bool skinny_available();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention, one query per sequence");
   m.def("add_rms_norm", &add_rms_norm, "optional residual add + RMSNorm; returns (normed, new residual)");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation: silu(gate) * up");
   m.def("rotary_inplace", &rotary_inplace, "neox rotary embedding applied in place to q and k");
+  m.def("skinny_linear", &skinny_linear, "x @ w.T (+ bias) for 1..8 bfloat16 rows, weights streamed once");
+  m.def("skinny_available", &skinny_available, "whether skinny_linear has its AVX512-BF16 fast path");
 }

@@ -1,0 +1,105 @@
+// y = x @ w.T (+ bias) for a few rows of x: the matmuls of decode steps and speculative verification.
+//
+// With M <= 8 rows the product is bound by streaming w from memory. oneDNN's bf16 GEMM reaches only
+// ~55% of the bandwidth at such shapes and ATen's GEMV serves M == 1 alone, so a verification step of
+// 1 + k tokens cost ~1.8x a decode step. Here each weight row is read once and dotted with all M rows
+// of x (held in L1), with AVX512-BF16 dot products (vdpbf16ps: bf16 pairs multiplied exactly, summed in
+// float32) where the CPU has them, plain float32 arithmetic otherwise. Every output row is computed the
+// same way whatever M is, so a token's result does not depend on how many tokens share its step.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define TOKENLOOM_DPBF16 1
+#endif
+
+#include "dtype.h"
+
+namespace {
+
+constexpr int kMaxRows = 8;
+
+// out[m] = dot(x[m, :K], w[:K]) for m < M, float32 accumulation.
+template <int M>
+inline void dot_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t K, float* out) {
+  int64_t k = 0;
+#ifdef TOKENLOOM_DPBF16
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (; k + 32 <= K; k += 32) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + k));
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(x + m * ldx + k));
+      acc[m] = _mm512_dpbf16_ps(acc[m], xv, wv);
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+#else
+  for (int m = 0; m < M; ++m) out[m] = 0.f;
+#endif
+  for (int m = 0; m < M; ++m) {  // the tail (all of K without AVX512-BF16)
+    float s = 0.f;
+    const c10::BFloat16* xr = x + m * ldx;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = k; j < K; ++j) s += to_float(xr[j]) * to_float(w[j]);
+    out[m] += s;
+  }
+}
+
+template <int M>
+void skinny_kernel(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y,
+                   int64_t N, int64_t K) {
+  // Chunks of at least ~256 KiB of weights: smaller jobs stay on the calling thread.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (K * 2));
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    float out[M];
+    for (int64_t n = begin; n < end; ++n) {
+      dot_rows<M>(x, K, w + n * K, K, out);
+      const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
+      for (int m = 0; m < M; ++m) y[m * N + n] = from_float<c10::BFloat16>(out[m] + b);
+    }
+  });
+}
+
+}  // namespace
+
+bool skinny_available() {
+#ifdef TOKENLOOM_DPBF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: x (M, K) and w (N, K)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "skinny_linear: bfloat16 only");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "skinny_linear: 1..8 rows");
+  TORCH_CHECK(w.is_contiguous(), "skinny_linear: contiguous weight");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0);
+  const c10::BFloat16* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N && bias->is_contiguous(), "skinny_linear: bias");
+    b = bias->data_ptr<c10::BFloat16>();
+  }
+  at::Tensor y = at::empty({M, N}, xc.options());
+  const auto* xp = xc.data_ptr<c10::BFloat16>();
+  const auto* wp = w.data_ptr<c10::BFloat16>();
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  switch (M) {
+    case 1: skinny_kernel<1>(xp, wp, b, yp, N, K); break;
+    case 2: skinny_kernel<2>(xp, wp, b, yp, N, K); break;
+    case 3: skinny_kernel<3>(xp, wp, b, yp, N, K); break;
+    case 4: skinny_kernel<4>(xp, wp, b, yp, N, K); break;
+    case 5: skinny_kernel<5>(xp, wp, b, yp, N, K); break;
+    case 6: skinny_kernel<6>(xp, wp, b, yp, N, K); break;
+    case 7: skinny_kernel<7>(xp, wp, b, yp, N, K); break;
+    default: skinny_kernel<8>(xp, wp, b, yp, N, K); break;
+  }
+  return y;
+}
