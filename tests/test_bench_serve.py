@@ -91,3 +91,29 @@ def test_agentic_multi_turn(live_server: LiveServer, tiny_llama: Path, tmp_path:
     assert p["ttft_warm_s_median"] == pytest.approx(records[records["turn"] > 0]["ttft"].median())
     assert main(["bench", "serve", "--base-url", live_server.url, "--dataset", "agentic", "--tokenizer",
                  str(tiny_llama), "--sessions", "1", "--turns", "1", "--out", str(tmp_path / "x")]) != 0
+
+
+def test_server_tokenizer_gives_exact_lengths(live_server: LiveServer, tmp_path: Path) -> None:
+    """--tokenizer server: prompt lengths counted by the server's own /tokenize (no local tokenizer)."""
+    out = tmp_path / "server-tok"
+    assert main(["bench", "serve", "--base-url", live_server.url, "--tokenizer", "server", "--num-prompts", "3",
+                 "--input-len", "40", "--output-len", "3", "--warmup", "0", "--out", str(out)]) == 0
+    records = pd.read_csv(out / "records.csv")
+    assert records["success"].all() and set(records["input_tokens"]) <= {39, 40, 41}
+
+
+def test_tokenize_and_detokenize_endpoints(live_server: LiveServer, tiny_llama: Path) -> None:
+    import httpx
+
+    tok = load_tokenizer(str(tiny_llama))
+    r = httpx.post(live_server.url + "/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()
+    assert r["tokens"] == tok.encode("Hello world", add_special_tokens=False) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 256
+    chat = httpx.post(live_server.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["tokens"] == tok.encode_chat([{"role": "user", "content": "Hi"}])
+    assert httpx.post(live_server.url + "/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "Hello world"
+    bad = httpx.post(live_server.url + "/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = httpx.post(live_server.url + "/tokenize", json={"prompt": "a", "messages": [{"role": "user", "content": "b"}]})
+    assert both.status_code == 400
+    assert httpx.post(live_server.url + "/tokenize", json={"model": "nope", "prompt": "a"}).status_code == 404

@@ -1,8 +1,11 @@
 """Fast attention on torch's fused scaled_dot_product_attention (CPU flash kernel; also runs on CUDA).
 
 Decode tokens (one query each) are batched into one SDPA call over their gathered, padded contexts.
-A prefill with no earlier context attends to its own fresh K/V with the built-in causal mask; a
-prefill chunk that continues a sequence gathers its context from the cache with an offset causal mask.
+So are the tokens of short chunks (at most DECODE_STYLE_MAX_QUERY, e.g. 1 + k tokens verifying k
+speculative drafts): query j of such a chunk is a decode row whose context ends at its own position,
+which is its causal mask (the chunk's K/V is written to the cache before attention). A longer prefill
+with no earlier context attends to its own fresh K/V with the built-in causal mask; a longer chunk that
+continues a sequence gathers its context from the cache with an offset causal mask.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenloom.attention.base import AttentionBackend, AttentionMetadata, gather_kv, write_kv
+
+DECODE_STYLE_MAX_QUERY = 8  # chunks this short attend as decode rows (see the module docstring)
 
 
 @dataclass
@@ -26,10 +31,10 @@ class _Prefill:
 
 @dataclass
 class _Plan:
-    decode_tokens: torch.Tensor | None  # (B,) token index of each decoding sequence
-    decode_blocks: torch.Tensor | None  # (B, max_blocks)
+    decode_tokens: torch.Tensor | None  # (B,) token index of each decode row
+    decode_blocks: torch.Tensor | None  # (B, max_blocks) the block table of each decode row's sequence
     decode_mask: torch.Tensor | None  # (B, 1, 1, max_blocks * block_size) bool; built on first use
-    decode_lens: torch.Tensor | None  # (B,) int64 context length of each decoding sequence
+    decode_lens: torch.Tensor | None  # (B,) int64 context length of each decode row (its position + 1)
     all_decode: bool  # every token of the batch is a decode, in order: skip the index ops
     prefills: list[_Prefill]
 
@@ -39,13 +44,18 @@ class SDPABackend(AttentionBackend):
 
     def plan(self, meta: AttentionMetadata, device: torch.device, sliding_window: int | None) -> _Plan:
         bs = meta.block_size
-        dec_rows: list[int] = []
+        dec_tokens: list[int] = []
+        dec_seqs: list[int] = []
+        lens: list[int] = []
         prefills: list[_Prefill] = []
         for i in range(meta.num_seqs):
             start, end, ctx = meta.query_start_loc[i], meta.query_start_loc[i + 1], meta.seq_lens[i]
             q_len = end - start
-            if q_len == 1:
-                dec_rows.append(i)
+            if q_len <= DECODE_STYLE_MAX_QUERY:
+                for j in range(q_len):
+                    dec_tokens.append(start + j)
+                    dec_seqs.append(i)
+                    lens.append(ctx - q_len + j + 1)
                 continue
             if ctx == q_len and sliding_window is None:
                 prefills.append(_Prefill(start, end, ctx, None, None))
@@ -57,18 +67,17 @@ class SDPABackend(AttentionBackend):
                 mask &= k_pos > q_pos - sliding_window
             blocks = meta.block_tables[i, : (ctx + bs - 1) // bs]
             prefills.append(_Prefill(start, end, ctx, blocks if ctx > q_len else None, mask))
-        if not dec_rows:
+        if not dec_tokens:
             return _Plan(None, None, None, None, False, prefills)
-        rows = torch.tensor(dec_rows, device=device)
-        lens = [meta.seq_lens[i] for i in dec_rows]
+        rows = torch.tensor(dec_seqs, device=device)
         max_blocks = (max(lens) + bs - 1) // bs
-        tokens = torch.tensor([meta.query_start_loc[i] for i in dec_rows], device=device)
+        tokens = torch.tensor(dec_tokens, device=device)
         return _Plan(
             decode_tokens=tokens,
             decode_blocks=meta.block_tables[rows, :max_blocks],
             decode_mask=None,
             decode_lens=torch.tensor(lens, device=device),
-            all_decode=not prefills,
+            all_decode=not prefills,  # then the decode rows are every token, in order
             prefills=prefills,
         )
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import httpx
 
 from tokenloom.bench.stats import RequestRecord
+from tokenloom.errors import ConfigError
 
 BACKENDS = ("openai", "openai-chat", "ollama")
 
@@ -144,3 +145,26 @@ def wait_until_healthy(base_url: str, timeout: float = 120.0, path: str = "/heal
             pass
         time.sleep(0.05)
     raise TimeoutError(f"{base_url} did not become healthy within {timeout:.0f} s")
+
+
+class ServerTokenizer:
+    """The server's own tokenizer over vLLM's /tokenize and /detokenize (tokenloom and vLLM serve them):
+    exact prompt lengths for a model whose tokenizer files are not at hand (`--tokenizer server`)."""
+
+    def __init__(self, base_url: str, model: str | None = None, timeout: float = 60.0) -> None:
+        self._client = httpx.Client(base_url=base_url, timeout=timeout)
+        self._model = model
+
+    def _post(self, path: str, body: dict[str, object]) -> dict[str, object]:
+        if self._model is not None:
+            body["model"] = self._model
+        r = self._client.post(path, json=body)
+        if r.status_code != 200:
+            raise ConfigError(f"--tokenizer server: {path} answered HTTP {r.status_code}: {r.text[:200]}")
+        return r.json()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._post("/tokenize", {"prompt": text, "add_special_tokens": add_special_tokens})["tokens"])  # type: ignore[call-overload]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self._post("/detokenize", {"tokens": list(ids)})["prompt"])

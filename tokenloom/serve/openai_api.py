@@ -1,4 +1,5 @@
-"""The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions (JSON or SSE streams)."""
+"""The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions (JSON or SSE streams),
+and vLLM's /tokenize and /detokenize (the benchmark lab counts prompt tokens with them)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tokenloom.errors import ContextTooLong, InvalidRequest
 from tokenloom.outputs import RequestMetrics, RequestOutput, merge_delta
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.serve.errors import ModelNotFound, error_response
-from tokenloom.serve.protocol import ChatCompletionRequest, CompletionRequest
+from tokenloom.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 router = APIRouter()
 
@@ -56,6 +57,34 @@ def _timing(m: RequestMetrics | None) -> dict[str, float | None] | None:
 async def list_models(request: Request) -> dict[str, Any]:
     _, name = _state(request)
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "tokenloom"}]}
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    engine, served = _state(request)
+    if body.model is not None:
+        _check_model(body.model, served)
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequest("give exactly one of prompt and messages", "prompt")
+    tok = engine.engine.tokenizer
+    if body.prompt is not None:
+        ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+        msgs = [{"role": m.role, "content": m.text()} for m in body.messages or []]
+        ids = tok.encode_chat(msgs, body.add_generation_prompt)
+    return {"count": len(ids), "max_model_len": engine.engine.max_model_len, "tokens": ids}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    engine, served = _state(request)
+    if body.model is not None:
+        _check_model(body.model, served)
+    vocab = engine.engine.model_config.vocab_size
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+    return {"prompt": engine.engine.tokenizer.decode(body.tokens)}
 
 
 async def _run(

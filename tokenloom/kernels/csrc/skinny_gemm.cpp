@@ -28,16 +28,27 @@ template <int M>
 inline void dot_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t K, float* out) {
   int64_t k = 0;
 #ifdef TOKENLOOM_DPBF16
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  // Two accumulators per row, fed alternately: one dot-product chain per row would wait on the
+  // instruction's latency at every step.
+  __m512 acc0[M], acc1[M];
+  for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
+  for (; k + 64 <= K; k += 64) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + k));
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + k + 32));
+    for (int m = 0; m < M; ++m) {
+      const c10::BFloat16* xr = x + m * ldx + k;
+      acc0[m] = _mm512_dpbf16_ps(acc0[m], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(xr)), w0);
+      acc1[m] = _mm512_dpbf16_ps(acc1[m], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(xr + 32)), w1);
+    }
+  }
   for (; k + 32 <= K; k += 32) {
     const __m512bh wv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + k));
     for (int m = 0; m < M; ++m) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(x + m * ldx + k));
-      acc[m] = _mm512_dpbf16_ps(acc[m], xv, wv);
+      acc0[m] = _mm512_dpbf16_ps(acc0[m], xv, wv);
     }
   }
-  for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+  for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m]));
 #else
   for (int m = 0; m < M; ++m) out[m] = 0.f;
 #endif
