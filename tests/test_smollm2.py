@@ -99,3 +99,17 @@ def test_speculative_greedy_outputs_identical(ours: LLM, smollm2_gguf: Path, met
     assert got == want
     s = spec.stats()
     assert s["spec_decode_accepted_tokens"] > 0 and s["spec_decode_mean_accepted_length"] > 1.0
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_model_still_answers(smollm2_gguf: Path, method: str) -> None:
+    """What we check of quantized greedy output: the factual answer survives, and int8's first tokens
+    equal bf16's (int4 may word it differently)."""
+    kw = dict(kv_cache_memory="256MiB", max_model_len=1024)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    q = LLM(str(smollm2_gguf), quantization=method, **kw).chat(msgs, sp)[0].outputs[0]
+    assert "Paris" in q.text
+    if method == "int8":
+        bf = LLM(str(smollm2_gguf), **kw).chat(msgs, sp)[0].outputs[0]
+        assert q.token_ids[:5] == bf.token_ids[:5]

@@ -30,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget per step")
     g.add_argument("--attention-backend", default=d.attention_backend, choices=list(BACKENDS),
                    help="auto: C++ paged kernel on CPU (sdpa if it cannot build), sdpa on CUDA")
+    g.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of the decoder's linear layers at load (CPU, bfloat16)")
+    g.add_argument("--quant-group-size", type=int, default=d.quant_group_size, help="int4 group size")
     g.add_argument("--prefix-caching", dest="enable_prefix_caching", default=d.enable_prefix_caching,
                    action=argparse.BooleanOptionalAction,
                    help="reuse the K/V of full blocks across requests with a common prefix (on by default)")
@@ -133,6 +136,13 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return run_bench_serve(args)
 
 
+def _eval_perplexity(args: argparse.Namespace) -> int:
+    from tokenloom.bench.perplexity import run_perplexity
+    from tokenloom.engine.engine import LLMEngine
+
+    return run_perplexity(args, LLMEngine(engine_config(args)))
+
+
 def _bench_compare(args: argparse.Namespace) -> int:
     from tokenloom.bench.report import compare
 
@@ -190,6 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("runs", nargs="+", type=Path, help="results folders")
     cmp_.add_argument("--out", type=Path, default=Path("results/compare"))
     cmp_.set_defaults(func=_bench_compare)
+
+    ev = sub.add_parser("eval", help="quality checks")
+    esub = ev.add_subparsers(dest="eval_command", required=True)
+    ppl = esub.add_parser("perplexity", help="sliding-window perplexity over real text")
+    from tokenloom.bench.perplexity import add_perplexity_args
+
+    add_perplexity_args(ppl)
+    add_engine_args(ppl)
+    ppl.set_defaults(func=_eval_perplexity)
     return parser
 
 

@@ -25,6 +25,8 @@ class EngineConfig:
     max_num_seqs: int = 128  # sequences in one step
     max_num_batched_tokens: int = 512  # tokens in one step: decodes + prefill chunks
     attention_backend: str = "auto"  # auto | cpu | sdpa | reference
+    quantization: str | None = None  # None | "int8" (per channel) | "int4" (group-wise): weight-only
+    quant_group_size: int = 128  # int4 group size (a smaller supported one where it does not divide a layer)
     enable_prefix_caching: bool = True  # share the K/V of full blocks between requests with a common prefix
     # Speculative decoding: None | "ngram" (prompt lookup) | "draft" (--draft-model) | "self" (first
     # --draft-layers layers of the target). k = num_speculative_tokens drafts verified per step.
@@ -53,6 +55,10 @@ class EngineConfig:
             raise ConfigError(f"--num-threads must be >= 1, got {self.num_threads!r}")
         parse_memory(self.kv_cache_memory)  # validates early
         self._check_speculative()
+        if self.quantization not in (None, "int8", "int4"):
+            raise ConfigError(f"--quantization must be int8 or int4, got {self.quantization!r}")
+        if self.quant_group_size not in (32, 64, 128, 256):
+            raise ConfigError(f"--quant-group-size must be 32, 64, 128 or 256, got {self.quant_group_size!r}")
 
     def _check_speculative(self) -> None:
         if self.speculative not in SPECULATIVE_METHODS:

