@@ -7,7 +7,9 @@ The matmuls are torch's packed weight-only CPU kernels (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`): activations stay in bfloat16, weights are expanded inside the kernel,
 never to a full bf16 matrix in memory. `reference()` dequantizes to float32 and calls F.linear: the
 test oracle.
-The LM head (tied to the embeddings in small models) and the embeddings stay in the model dtype.
+The LM head is quantized too (a decode step reads it whole: 56 of SmolLM2's 270 MB); when it is tied
+to the embeddings, the embedding table stays in the model dtype for the lookup and the head gets its
+own quantized copy.
 """
 
 from __future__ import annotations
@@ -119,27 +121,31 @@ class Int4Linear(nn.Module):
 
 
 def quantize_model(model: nn.Module, method: str, group_size: int = 128) -> int:
-    """Swap every Linear inside the decoder layers for its quantized twin; returns how many."""
+    """Swap every Linear of the decoder layers and the LM head for its quantized twin; returns how many."""
     if method not in QUANTIZATIONS:
         raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
-    count = 0
     layers = getattr(model, "layers", None)
     if layers is None:
         raise ConfigError("quantization needs a model with decoder `layers`")
-    for layer in layers:
-        for parent in layer.modules():
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
-                    if child.weight.device.type != "cpu":
-                        raise ConfigError("weight-only quantization kernels are CPU-only in tokenloom for now")
-                    if child.weight.dtype != torch.bfloat16:
-                        raise ConfigError(f"--quantization {method} needs --dtype bfloat16, not {child.weight.dtype}")
-                    new = Int8Linear(child) if method == "int8" else Int4Linear(child, group_size)
-                    if isinstance(new, Int4Linear):
-                        new.compact()
-                    setattr(parent, name, new)
-                    count += 1
-    return count
+    targets = [(parent, name, child) for layer in layers for parent in layer.modules()
+               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Linear):
+        targets.append((model, "lm_head", head))
+    for parent, name, child in targets:
+        if child.weight.device.type != "cpu":
+            raise ConfigError("weight-only quantization kernels are CPU-only in tokenloom for now")
+        if child.weight.dtype != torch.bfloat16:
+            raise ConfigError(f"--quantization {method} needs --dtype bfloat16, not {child.weight.dtype}")
+        # torch's int4 packing needs N % 16 == 0 and a group size dividing K; a layer that has
+        # neither (an odd vocabulary size in the head, say) is quantized to int8 instead.
+        int4 = method == "int4" and child.out_features % 16 == 0 and any(
+            child.in_features % g == 0 for g in INT4_GROUP_SIZES)
+        new = Int4Linear(child, group_size) if int4 else Int8Linear(child)
+        if isinstance(new, Int4Linear):
+            new.compact()
+        setattr(parent, name, new)
+    return len(targets)
 
 
 def weight_bytes(model: nn.Module) -> int:
