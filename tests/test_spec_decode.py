@@ -176,3 +176,26 @@ def test_greedy_verification_accepts_the_matching_prefix() -> None:
     assert (out.token_ids, out.num_accepted) == ([3, 1, 4], 2)
     seq = _fake_seq(SamplingParams(temperature=0.0), [3, 1, 4], None, 0)
     assert verify(seq, logits, Sampler()).token_ids == [3, 1, 4, 2]
+
+
+@pytest.mark.parametrize("method", ["draft", "self"])
+def test_tight_token_budget_cuts_drafts_without_harm(tiny_llama: Path, baseline: list[list[int]], method: str) -> None:
+    """With a budget of 8 tokens for 4 sequences, drafts get cut short or dropped and sequences sit out
+    steps; outputs stay the same and no slot stays reserved."""
+    extra = {"draft": {"draft_model": str(tiny_llama)}, "self": {"draft_layers": 1}}[method]
+    llm = LLM(str(tiny_llama), speculative=method, num_speculative_tokens=6, max_num_seqs=4,
+              max_num_batched_tokens=8, **extra, **KW)
+    eng = llm.engine
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(llm.tokenizer.encode(p), GREEDY, request_id=str(i))
+    got: dict[str, list[int]] = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            got.setdefault(out.request_id, []).extend(t for c in out.outputs for t in c.token_ids)
+        eng.kv.pool.check_invariants()
+        for seq in eng.scheduler.running:  # a running sequence holds blocks for its tokens + its drafts
+            need = -(-(seq.num_tokens + len(seq.spec_token_ids)) // eng.kv.block_size)
+            assert len(seq.block_ids) <= need
+            assert seq.draft_num_computed <= seq.num_tokens - 1 + len(seq.spec_token_ids)
+    assert [got[str(i)] for i in range(len(PROMPTS))] == baseline
+    assert eng.kv.pool.num_used == 0

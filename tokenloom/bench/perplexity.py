@@ -33,8 +33,9 @@ def add_perplexity_args(p: argparse.ArgumentParser) -> None:
 @torch.inference_mode()
 def perplexity(engine: LLMEngine, ids: list[int], window: int, stride: int) -> tuple[float, int]:
     """(perplexity, tokens scored) of `ids` under the engine's model."""
-    if not 0 < stride <= window:
-        raise ConfigError(f"need 0 < --stride ({stride}) <= --window ({window})")
+    if not 0 < stride <= window or (stride == window and len(ids) > window):
+        # Windows that do not overlap could not predict each window's first token.
+        raise ConfigError(f"need 0 < --stride ({stride}) < --window ({window})")
     if window > engine.max_model_len:
         raise ConfigError(f"--window {window} exceeds max_model_len {engine.max_model_len}")
     bs = engine.kv.block_size

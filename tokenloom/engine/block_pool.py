@@ -87,6 +87,9 @@ class BlockPool:
                 self._drop_entry(b)
                 self.num_evictions += 1
             self.ref_counts[b] = 1
+            # New content: cache entries of children made against the block's old content (even
+            # an unindexed old content, after a hash collision) must no longer match.
+            self._generation[b] += 1
             ids.append(b)
         return ids
 

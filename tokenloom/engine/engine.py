@@ -311,9 +311,12 @@ class LLMEngine:
                 self.spec_stats.record(len(seq.spec_token_ids), out.num_accepted if out else 0)
                 # A stop inside the accepted run leaves computed tokens past the end: never count those.
                 seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
-                seq.draft_num_computed = min(seq.draft_num_computed, seq.num_computed_tokens)
-                seq.spec_token_ids, seq.spec_draft_probs = [], None
-                self.kv.trim(seq)
+            # Drafts are verified or void after any step the sequence took part in (the scheduler may
+            # have cut them to none); the draft model's cache is valid only up to what the target
+            # computed, and slots reserved for drafts past the sequence's tokens go back to the pool.
+            seq.draft_num_computed = min(seq.draft_num_computed, seq.num_computed_tokens)
+            seq.spec_token_ids, seq.spec_draft_probs = [], None
+            self.kv.trim(seq)
             self.kv.cache_full_blocks(seq)
             if status is not None:
                 finished.append((seq, status))
@@ -327,6 +330,9 @@ class LLMEngine:
         """Batch row -> its new tokens: one sampled token, or the verified run of a speculating sequence."""
         if logits is None:
             return {}
+        if not any(seq.spec_token_ids for seq in batch.seqs):  # one row per sampling sequence, in order
+            results = self.sampler(logits, [batch.seqs[b] for b in rows])
+            return {b: Verified([res.token_id], [res.logprob], 0) for b, res in zip(rows, results)}
         by_row: dict[int, list[int]] = {}
         for r, b in enumerate(rows):
             by_row.setdefault(b, []).append(r)
@@ -345,16 +351,20 @@ class LLMEngine:
     def _propose(self) -> None:
         """Draft tokens for the next step of every decoding sequence that may speculate."""
         k_max = self.config.num_speculative_tokens
+        # Drafts must not crowd decodes out of the next step's token budget: each running sequence
+        # keeps one token of it.
+        room = self.config.max_num_batched_tokens - self.scheduler.num_running
         seqs, ks = [], []
         for seq in self.scheduler.running:
-            if seq.num_computed_tokens != seq.num_tokens - 1 or not can_speculate(seq):
-                continue  # still prefilling, or its sampling needs token-by-token decoding
+            if seq.spec_token_ids or seq.num_computed_tokens != seq.num_tokens - 1 or not can_speculate(seq):
+                continue  # drafts still unverified (not scheduled last step), prefilling, or penalties
             # Never draft past max_tokens: the verified run ends with one target token.
-            k = min(k_max, seq.max_tokens - seq.num_output_tokens - 1)
+            k = min(k_max, seq.max_tokens - seq.num_output_tokens - 1, room)
             if k <= 0 or not self.kv.allocate_slots(seq, 1 + k):
                 continue
             seqs.append(seq)
             ks.append(k)
+            room -= k
         if not seqs:
             return
         if isinstance(self.proposer, NgramProposer):

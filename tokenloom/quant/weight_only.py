@@ -24,20 +24,24 @@ QUANTIZATIONS = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) float -> (N, K) int8 and (N,) float32 scales."""
-    scale = w.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0
+def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> (N, K) int8 and (N,) scales, rounded to `scale_dtype` before the codes are
+    computed, so the codes fit the scales the kernel will use."""
+    scale = (w.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0).to(scale_dtype).float()
     q = torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
 
 
-def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(N, K) float -> (N, K) int32 codes in [0, 15], (N, K/g) scales, (N, K/g) zeros (float32)."""
+def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.float32
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) float -> (N, K) int32 codes in [0, 15], (N, K/g) scales, (N, K/g) zeros; scales and
+    zeros rounded to `scale_dtype` first and the codes fitted to the rounded values."""
     n, k = w.shape
     wg = w.float().reshape(n, k // group_size, group_size)
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
-    scale = (hi - lo).clamp_min(1e-12) / 15.0
-    zero = lo + 8.0 * scale
+    scale = ((hi - lo).clamp_min(1e-12) / 15.0).to(scale_dtype).float()
+    zero = (lo + 8.0 * scale).to(scale_dtype).float()
+    lo = zero - 8.0 * scale  # what the kernel will reconstruct for code 0
     q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
     return q, scale, zero
 
@@ -56,7 +60,7 @@ def int4_group_size(k: int, wanted: int) -> int:
 class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        q, scale = quantize_int8(linear.weight.data)
+        q, scale = quantize_int8(linear.weight.data, linear.weight.dtype)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = linear.weight.dtype
         self.register_buffer("qweight", q)  # (N, K) int8
@@ -87,7 +91,7 @@ class Int4Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.group_size = int4_group_size(self.in_features, group_size)
         self.dtype = w.dtype
-        q, scale, zero = quantize_int4(w, self.group_size)
+        q, scale, zero = quantize_int4(w, self.group_size, w.dtype)
         # (K/g, N, 2): the kernel's scales-and-zeros layout.
         sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(self.dtype)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2))  # (N, K/2) uint8

@@ -47,7 +47,8 @@ class DraftModelProposer:
             for i in active:
                 s = seqs[i]
                 if j == 0:  # catch up to (and including) the last known token
-                    start = s.num_computed_tokens if self.shares_target_cache else s.draft_num_computed
+                    start = s.num_computed_tokens if self.shares_target_cache else min(
+                        s.draft_num_computed, s.num_computed_tokens)
                     entries.append(StepInput(s.token_ids[start:], start, s.block_ids, 1))
                 else:
                     entries.append(StepInput([drafts[i][-1]], s.num_tokens - 1 + j, s.block_ids, 1))
