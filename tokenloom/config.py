@@ -35,7 +35,7 @@ class EngineConfig:
     draft_model: str | None = None
     draft_layers: int | None = None
     prompt_lookup_max: int = 4  # ngram: longest suffix n-gram to match
-    prompt_lookup_min: int = 1  # ngram: shortest
+    prompt_lookup_min: int = 2  # ngram: shortest (a lone matching token predicts poorly)
     seed: int = 0  # seeds the sampler of requests that bring no seed of their own
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
 
