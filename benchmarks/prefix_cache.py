@@ -12,19 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from tokenloom.bench.client import wait_until_healthy
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tokenloom.bench.client import free_port, wait_until_healthy
 
 
 def run(flags: list[str], out: Path, a: argparse.Namespace) -> dict:
@@ -32,7 +24,7 @@ def run(flags: list[str], out: Path, a: argparse.Namespace) -> dict:
     proc = subprocess.Popen([sys.executable, "-m", "tokenloom.cli", "serve", "--port", str(port),
                              "--max-model-len", "8192", *flags])
     try:
-        wait_until_healthy(f"http://127.0.0.1:{port}", timeout=300)
+        wait_until_healthy(f"http://127.0.0.1:{port}", timeout=300, alive=lambda: proc.poll() is None)
         subprocess.run([sys.executable, "-m", "tokenloom.cli", "bench", "serve", "--base-url",
                         f"http://127.0.0.1:{port}", "--backend", "openai-chat", "--dataset", "agentic",
                         "--sessions", str(a.sessions), "--turns", str(a.turns), "--system-len", str(a.system_len),

@@ -8,28 +8,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-from tokenloom import LLM, SamplingParams
-from tokenloom.bench.offline import exact_prompts
+from tokenloom import LLM
+from tokenloom.bench.offline import decode_rate, exact_prompts, output_throughput
 from tokenloom.bench.perplexity import default_text, perplexity
 from tokenloom.quant.weight_only import weight_bytes
-
-
-def decode_rate(llm: LLM, prompt: list[int], n: int) -> float:
-    first, count = None, 0
-    for d in llm.stream(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)):
-        count += len(d.token_ids)
-        if first is None:
-            first = time.perf_counter()
-    return (count - 1) / (time.perf_counter() - first)
-
-
-def throughput(llm: LLM, prompts: list[list[int]], n: int) -> float:
-    llm.reset_prefix_cache()
-    t = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
 
 
 def main() -> None:
@@ -51,7 +34,7 @@ def main() -> None:
         batch = exact_prompts(llm.tokenizer, a.streams, 128, eng.model_config.vocab_size)
         decode_rate(llm, short, 16)  # warm-up
         dec = statistics.median(decode_rate(llm, short, a.decode_tokens) for _ in range(a.repeats))
-        thr = statistics.median(throughput(llm, batch, 128) for _ in range(a.repeats))
+        thr = statistics.median(output_throughput(llm, batch, 128) for _ in range(a.repeats))
         ppl, n = perplexity(eng, ids, 1024, 512)
         name = f"int4 g{group}" if q == "int4" else (q or "bf16")
         rows.append((name, weight_bytes(eng.loaded.model) / 1e6, dec, thr, ppl))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import time
 import httpx
 
 from tokenloom import LLM, SamplingParams
-from tokenloom.bench.client import wait_until_healthy
+from tokenloom.bench.client import free_port, wait_until_healthy
 
 
 def prompts(llm_tok: object, n: int, length: int) -> list[list[int]]:
@@ -54,14 +53,12 @@ async def one(c: httpx.AsyncClient, ids: list[int], out_len: int) -> int:
 
 
 def served(ps: list[list[int]], out_len: int, repeats: int) -> float:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tokenloom.cli", "serve", "--port", str(port),
                              "--kv-cache-memory", "1GiB", "--max-model-len", "1024", "--no-prefix-caching"])
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until_healthy(url)
+        wait_until_healthy(url, alive=lambda: proc.poll() is None)
 
         async def run() -> float:
             async with httpx.AsyncClient(base_url=url, timeout=600) as c:

@@ -121,7 +121,7 @@ def main() -> None:
         rows.append(("(ii) general chat", f"self K={layers} k={a.k}", base_chat, r, s))
         del selfd
 
-    print(f"\n| workload | speculation | decode tok/s without | with | speed-up | acceptance | mean accepted length |")
+    print("\n| workload | speculation | decode tok/s without | with | speed-up | acceptance | mean accepted length |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for wl, method, base, with_, s in rows:
         acc = "-" if s["acceptance"] is None else f"{s['acceptance']:.2f}"

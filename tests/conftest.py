@@ -125,11 +125,11 @@ class LiveServer:
     """A tokenloom server on 127.0.0.1 (free port) in a background thread."""
 
     def __init__(self, model_dir: Path, name: str = "tiny", api_key: str | None = None, **engine: object) -> None:
-        import socket
         import threading
 
         import uvicorn
 
+        from tokenloom.bench.client import free_port, wait_until_healthy
         from tokenloom.config import EngineConfig
         from tokenloom.engine.async_engine import AsyncLLMEngine
         from tokenloom.serve.app import build_app
@@ -142,15 +142,11 @@ class LiveServer:
         self.engine = AsyncLLMEngine.from_config(EngineConfig(**cfg), max_waiting, self.metrics.on_step)  # type: ignore[arg-type]
         self.name = name
         app = build_app(self.engine, name, api_key, self.metrics)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
-        from tokenloom.bench.client import wait_until_healthy
-
         wait_until_healthy(self.url, timeout=30)
 
     def close(self) -> None:

@@ -117,3 +117,14 @@ def test_tokenize_and_detokenize_endpoints(live_server: LiveServer, tiny_llama: 
     both = httpx.post(live_server.url + "/tokenize", json={"prompt": "a", "messages": [{"role": "user", "content": "b"}]})
     assert both.status_code == 400
     assert httpx.post(live_server.url + "/tokenize", json={"model": "nope", "prompt": "a"}).status_code == 404
+
+
+def test_wait_until_healthy_gives_up_when_the_server_is_gone() -> None:
+    import time
+
+    from tokenloom.bench.client import free_port, wait_until_healthy
+
+    t = time.monotonic()
+    with pytest.raises(TimeoutError, match="exited"):
+        wait_until_healthy(f"http://127.0.0.1:{free_port()}", timeout=60, alive=lambda: False)
+    assert time.monotonic() - t < 5  # at once, not after the timeout

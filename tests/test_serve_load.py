@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import LiveServer
-from tokenloom.bench.client import wait_until_healthy
+from tokenloom.bench.client import free_port, wait_until_healthy
 from tokenloom.errors import EngineDead, Overloaded
 
 
@@ -223,19 +223,16 @@ def test_queue_full_is_429_end_to_end(tiny_llama: Path) -> None:
 
 def test_sigterm_drains_and_exits_zero(tiny_llama: Path) -> None:
     import signal
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tokenloom.cli", "serve", "--model", str(tiny_llama), "--port",
                              str(port), "--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "256"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until_healthy(url)
+        wait_until_healthy(url, alive=lambda: proc.poll() is None)
         body = {"model": tiny_llama.name, "prompt": "drain me", "max_tokens": 60, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()

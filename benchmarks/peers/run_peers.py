@@ -19,22 +19,15 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tokenloom.bench.client import wait_until_healthy
+from tokenloom.bench.client import free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def server_command(peer: str, port: int, hf_dir: Path, bf16_gguf: Path, peers_dir: Path, threads: int,
@@ -64,20 +57,6 @@ def version(peer: str, peers_dir: Path) -> str:
     code = f"import importlib.metadata as m, {mod} as x; print(getattr(x, '__version__', None) or m.version('{mod}'))"
     proc = subprocess.run([py, "-c", code], capture_output=True, text=True)
     return proc.stdout.strip() or "unknown"
-
-
-def wait_up(proc: subprocess.Popen[bytes], url: str, timeout: float) -> None:
-    """Until `url`/v1/models answers; raises TimeoutError early if the server process exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise TimeoutError(f"the server exited with status {proc.returncode} before it came up")
-        try:
-            wait_until_healthy(url, 5.0, path="/v1/models")
-            return
-        except TimeoutError:
-            continue
-    raise TimeoutError(f"{url} did not come up within {timeout:.0f} s")
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -129,7 +108,8 @@ def main() -> None:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             t0 = time.monotonic()
-            wait_up(proc, f"http://127.0.0.1:{port}", args.startup_timeout)
+            wait_until_healthy(f"http://127.0.0.1:{port}", args.startup_timeout, path="/v1/models",
+                               alive=lambda: proc.poll() is None)
             startup = time.monotonic() - t0
             bench = [sys.executable, "-m", "tokenloom.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
                      "--model", "smollm2", "--tokenizer", str(hf_dir), "--out", str(args.out / peer), *bench_args]

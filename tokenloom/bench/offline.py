@@ -16,11 +16,14 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tokenloom.cli import add_engine_args, engine_config
+
+if TYPE_CHECKING:  # the engine is imported when a benchmark runs, not when the CLI builds its parser
+    from tokenloom.llm import LLM
 
 
 def add_offline_args(p: argparse.ArgumentParser) -> None:
@@ -63,37 +66,48 @@ def exact_prompts(tokenizer: Any, n: int, length: int, vocab: int) -> list[list[
     return [[(t + i) % vocab for t in base[:length]] if i else base[:length] for i in range(n)]
 
 
+def decode_rate(llm: LLM, prompt: list[int], n: int) -> float:
+    """Single-stream decode tok/s: (tokens - 1) / time from the first token to the last (greedy, n tokens)."""
+    from tokenloom.sampling_params import SamplingParams
+
+    llm.reset_prefix_cache()  # every run computes its prompt: repeats must not hit the cache
+    first = None
+    count = 0
+    for d in llm.stream(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)):
+        count += len(d.token_ids)
+        if first is None:
+            first = time.perf_counter()
+    if first is None or count < 2:
+        raise RuntimeError("decode benchmark produced fewer than two tokens")
+    return (count - 1) / (time.perf_counter() - first)
+
+
+def output_throughput(llm: LLM, prompts: list[list[int]], n: int) -> float:
+    """Output tok/s of generating n tokens (greedy, ignore_eos) for every prompt at once."""
+    from tokenloom.sampling_params import SamplingParams
+
+    llm.reset_prefix_cache()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    el = time.perf_counter() - t
+    return sum(len(o.outputs[0].token_ids) for o in outs) / el
+
+
 class TokenloomRunner:
     def __init__(self, args: argparse.Namespace) -> None:
         from tokenloom.llm import LLM
+        from tokenloom.quant.weight_only import weight_bytes
 
         self.llm = LLM(**engine_config(args).__dict__)
         eng = self.llm.engine
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in eng.loaded.model.parameters())
+        self.weight_bytes = weight_bytes(eng.loaded.model)
         self.vocab = eng.model_config.vocab_size
 
     def decode(self, prompt: list[int], n: int) -> float:
-        from tokenloom.sampling_params import SamplingParams
-
-        self.llm.reset_prefix_cache()  # every run computes its prompt: repeats must not hit the cache
-        first = None
-        count = 0
-        for d in self.llm.stream(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)):
-            count += len(d.token_ids)
-            if first is None:
-                first = time.perf_counter()
-        if first is None or count < 2:
-            raise RuntimeError("decode benchmark produced fewer than two tokens")
-        return (count - 1) / (time.perf_counter() - first)
+        return decode_rate(self.llm, prompt, n)
 
     def throughput(self, prompts: list[list[int]], n: int) -> float:
-        from tokenloom.sampling_params import SamplingParams
-
-        self.llm.reset_prefix_cache()
-        t = time.perf_counter()
-        outs = self.llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-        el = time.perf_counter() - t
-        return sum(len(o.outputs[0].token_ids) for o in outs) / el
+        return output_throughput(self.llm, prompts, n)
 
     def prefill(self, prompt: list[int]) -> float:
         from tokenloom.sampling_params import SamplingParams

@@ -121,8 +121,7 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()
         self.proposer: NgramProposer | DraftModelProposer | None = None
         if config.speculative == "ngram":
-            self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max,
-                                          config.prompt_lookup_min)
+            self.proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
         elif config.speculative == "self":
             self.proposer = DraftModelProposer(self.runner, self.loaded.model, kv_tensors[: config.draft_layers],
                                                self.sampler, shares_target_cache=True)
@@ -367,12 +366,7 @@ class LLMEngine:
             room -= k
         if not seqs:
             return
-        if isinstance(self.proposer, NgramProposer):
-            for seq, k in zip(seqs, ks):
-                seq.spec_token_ids = self.proposer.propose(seq, k)
-                seq.spec_draft_probs = None
-        else:
-            self.proposer.propose(seqs, ks)
+        self.proposer.propose(seqs, ks)
         for seq in seqs:
             if not seq.spec_token_ids:
                 self.kv.trim(seq)  # no match: give the reserved slots back

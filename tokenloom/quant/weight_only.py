@@ -153,11 +153,12 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 128) -> int:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of parameters and buffers, tied tensors counted once."""
+    """Bytes of the model's weights: its state dict (parameters and the quantized layers' buffers, not
+    the RoPE cos/sin cache), tied tensors counted once."""
     seen: set[int] = set()
     total = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if t is None or t.data_ptr() in seen:
+    for t in model.state_dict().values():
+        if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()

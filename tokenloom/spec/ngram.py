@@ -11,12 +11,14 @@ from tokenloom.engine.sequence import Sequence
 
 
 class NgramProposer:
-    def __init__(self, k: int, max_n: int = 4, min_n: int = 1) -> None:
-        self.k, self.max_n, self.min_n = k, max_n, min_n
+    def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
+        self.max_n, self.min_n = max_n, min_n
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        """Up to `k` draft tokens (fewer, or none, when no earlier match exists)."""
-        return lookup(seq.token_ids, k, self.max_n, self.min_n)
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> None:
+        """Up to ks[i] draft tokens for seqs[i] (fewer, or none, when no earlier match exists)."""
+        for seq, k in zip(seqs, ks):
+            seq.spec_token_ids = lookup(seq.token_ids, k, self.max_n, self.min_n)
+            seq.spec_draft_probs = None
 
 
 def lookup(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
