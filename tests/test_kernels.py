@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tokenloom.attention.base import AttentionMetadata
+from tokenloom.attention.paged_kv import LayerKVCache
 from tokenloom.attention.reference import ReferenceBackend
 from tokenloom.kernels import load_cpu_kernels
 from tokenloom.models.layers import RMSNorm, apply_rope
@@ -60,13 +61,18 @@ def test_rotary_inplace_on_fused_qkv_views(dtype: torch.dtype, head_dim: int) ->
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim, hq, hkv", [(64, 9, 3), (128, 4, 4), (48, 8, 2)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_decode_matches_reference(dtype: torch.dtype, head_dim: int, hq: int, hkv: int, window: int | None) -> None:
+@pytest.mark.parametrize("int8", [False, True])
+def test_paged_decode_matches_reference(dtype: torch.dtype, head_dim: int, hq: int, hkv: int, window: int | None,
+                                        int8: bool) -> None:
     torch.manual_seed(3)
     block, num_blocks = 4, 64
-    k_cache = torch.randn(num_blocks, block, hkv, head_dim).to(dtype)
-    v_cache = torch.randn(num_blocks, block, hkv, head_dim).to(dtype)
+    kv = LayerKVCache.allocate(num_blocks, block, hkv, head_dim, dtype, int8, torch.device("cpu"))
+    # Fill every slot through the cache's own write (INT8: quantized with per-token, per-head scales).
+    everything = torch.arange(num_blocks * block)
+    kv.write(torch.randn(num_blocks * block, hkv, head_dim).to(dtype),
+             torch.randn(num_blocks * block, hkv, head_dim).to(dtype), everything)
     lens = [1, 7, 16, 23]
-    perm = torch.randperm(num_blocks).tolist()
+    perm = torch.randperm(num_blocks - 1).tolist()  # the last block is scratch, in no table
     tables, used = [], 0
     for n in lens:
         nb = -(-n // block)
@@ -75,15 +81,20 @@ def test_paged_decode_matches_reference(dtype: torch.dtype, head_dim: int, hq: i
     width = max(len(r) for r in tables)
     bt = torch.tensor([r + [0] * (width - len(r)) for r in tables])
     q = torch.randn(len(lens), hq, head_dim).to(dtype)
-    got = K.paged_decode(q, k_cache, v_cache, bt, torch.tensor(lens), head_dim**-0.5, window or 0)
-    # The reference writes k/v first: hand it each sequence's own last-slot contents so nothing changes.
-    last = [tables[i][(n - 1) // block] * block + (n - 1) % block for i, n in enumerate(lens)]
-    slots = torch.tensor(last)
-    k_new = k_cache.view(-1, hkv, head_dim)[slots].clone()
-    v_new = v_cache.view(-1, hkv, head_dim)[slots].clone()
-    meta = AttentionMetadata(list(range(len(lens) + 1)), lens, bt, slots, block)
-    want = ReferenceBackend().forward(q, k_new, v_new, k_cache, v_cache, meta, head_dim**-0.5, window)
+    got = K.paged_decode(q, kv.k, kv.v, kv.k_scale, kv.v_scale, bt, torch.tensor(lens), head_dim**-0.5, window or 0)
+    # The reference writes the new tokens' K/V first: send them to the scratch block, read by no one.
+    scratch = torch.arange(len(lens)) + (num_blocks - 1) * block
+    junk = torch.randn(len(lens), hkv, head_dim).to(dtype)
+    meta = AttentionMetadata(list(range(len(lens) + 1)), lens, bt, scratch, block)
+    want = ReferenceBackend().forward(q, junk, junk, kv, meta, head_dim**-0.5, window)
     torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_paged_decode_rejects_int8_cache_without_scales() -> None:
+    kv = LayerKVCache.allocate(4, 4, 2, 64, torch.float32, True, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="scales go with an int8 cache"):
+        K.paged_decode(torch.zeros(1, 2, 64), kv.k, kv.v, None, None, torch.zeros(1, 1, dtype=torch.long),
+                       torch.ones(1, dtype=torch.long), 0.125, 0)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])

@@ -113,3 +113,16 @@ def test_quantized_model_still_answers(smollm2_gguf: Path, method: str) -> None:
     if method == "int8":
         bf = LLM(str(smollm2_gguf), **kw).chat(msgs, sp)[0].outputs[0]
         assert q.token_ids[:5] == bf.token_ids[:5]
+
+
+def test_int8_kv_cache_still_answers(smollm2_gguf: Path) -> None:
+    """With K/V stored as INT8 the answer and its first tokens are those of the bfloat16 cache."""
+    kw = dict(kv_cache_memory="256MiB", max_model_len=1024)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    q = LLM(str(smollm2_gguf), kv_cache_dtype="int8", **kw)
+    assert q.engine.runner.kv_caches[0].k.dtype == torch.int8
+    out = q.chat(msgs, sp)[0].outputs[0]
+    assert "Paris" in out.text
+    bf = LLM(str(smollm2_gguf), **kw).chat(msgs, sp)[0].outputs[0]
+    assert out.token_ids[:8] == bf.token_ids[:8]

@@ -33,6 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantization of the decoder's linear layers at load (CPU, bfloat16)")
     g.add_argument("--quant-group-size", type=int, default=d.quant_group_size, help="int4 group size")
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "int8"],
+                   help="auto: the model's dtype; int8: codes with a float16 scale per token and head (~2x the tokens)")
     g.add_argument("--prefix-caching", dest="enable_prefix_caching", default=d.enable_prefix_caching,
                    action=argparse.BooleanOptionalAction,
                    help="reuse the K/V of full blocks across requests with a common prefix (on by default)")

@@ -27,6 +27,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | cpu | sdpa | reference
     quantization: str | None = None  # None | "int8" (per channel) | "int4" (group-wise): weight-only
     quant_group_size: int = 128  # int4 group size (a smaller supported one where it does not divide a layer)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (per token and head scales: ~2x the tokens)
     enable_prefix_caching: bool = True  # share the K/V of full blocks between requests with a common prefix
     # Speculative decoding: None | "ngram" (prompt lookup) | "draft" (--draft-model) | "self" (first
     # --draft-layers layers of the target). k = num_speculative_tokens drafts verified per step.
@@ -57,6 +58,8 @@ class EngineConfig:
         self._check_speculative()
         if self.quantization not in (None, "int8", "int4"):
             raise ConfigError(f"--quantization must be int8 or int4, got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ConfigError(f"--kv-cache-dtype must be auto or int8, got {self.kv_cache_dtype!r}")
         if self.quant_group_size not in (32, 64, 128, 256):
             raise ConfigError(f"--quant-group-size must be 32, 64, 128 or 256, got {self.quant_group_size!r}")
 

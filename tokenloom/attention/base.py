@@ -1,8 +1,6 @@
 """The attention backend interface: paged K/V written by slot, read through block tables.
 
-KV cache layout, per layer: k_cache and v_cache of shape (num_blocks, block_size, num_kv_heads, head_dim).
-Token t of a sequence lives in block `block_table[t // block_size]` at offset `t % block_size`, i.e. at
-flat slot `block * block_size + offset` of the cache viewed as (num_blocks * block_size, heads, dim).
+The per-layer cache (model dtype or INT8) and its layout are in `paged_kv.LayerKVCache`.
 """
 
 from __future__ import annotations
@@ -12,6 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from tokenloom.attention.paged_kv import LayerKVCache
 
 
 @dataclass
@@ -33,20 +33,6 @@ class AttentionMetadata:
         return self.query_start_loc[i + 1] - self.query_start_loc[i]
 
 
-def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Scatter the new tokens' K/V (T, Hkv, D) into their cache slots."""
-    num_blocks, block_size, heads, dim = k_cache.shape
-    k_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-
-
-def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one sequence, (length, Hkv, D), read through its block ids."""
-    return cache[block_ids].flatten(0, 1)[:length]
-
-
 class AttentionBackend(ABC):
     """Computes attention of the new tokens over their whole context, reading K/V from the paged cache."""
 
@@ -62,13 +48,12 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # (T, Hq, D), RoPE applied
         k: torch.Tensor,  # (T, Hkv, D), RoPE applied
         v: torch.Tensor,  # (T, Hkv, D)
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKVCache,
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:  # (T, Hq, D)
-        """Write k/v into the cache at meta.slot_mapping, then attend."""
+        """Write k/v into the cache at meta.slot_mapping, then attend over what the cache holds."""
 
 
 BACKENDS = ("auto", "cpu", "sdpa", "reference")

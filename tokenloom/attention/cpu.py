@@ -1,7 +1,8 @@
 """The fast CPU backend: prefill chunks through torch SDPA, decode tokens through a C++ paged kernel.
 
 The kernel (csrc/paged_decode.cpp) reads each sequence's K/V in place through its block table, so
-decode attention needs neither the gather copy nor the padding mask of the SDPA path.
+decode attention needs neither the gather copy nor the padding mask of the SDPA path; an INT8 cache is
+dequantized row by row inside the kernel.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from types import ModuleType
 
 import torch
 
+from tokenloom.attention.paged_kv import LayerKVCache
 from tokenloom.attention.sdpa import SDPABackend, _Plan
 
 
@@ -20,11 +22,12 @@ class CPUBackend(SDPABackend):
         self.kernels = kernels
 
     def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _Plan, scale: float,
-        sliding_window: int | None,
+        self, q: torch.Tensor, kv: LayerKVCache, plan: _Plan, scale: float, sliding_window: int | None,
     ) -> torch.Tensor:
         if q.device.type != "cpu":
-            return super().decode(q, k_cache, v_cache, plan, scale, sliding_window)
+            return super().decode(q, kv, plan, scale, sliding_window)
+        # An INT8 cache passes its scales; the kernel dequantizes each K/V row as it reads it.
         return self.kernels.paged_decode(
-            q.contiguous(), k_cache, v_cache, plan.decode_blocks, plan.decode_lens, scale, sliding_window or 0
+            q.contiguous(), kv.k, kv.v, kv.k_scale, kv.v_scale, plan.decode_blocks, plan.decode_lens, scale,
+            sliding_window or 0,
         )

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from tokenloom.attention.base import AttentionBackend, AttentionMetadata, gather_kv, write_kv
+from tokenloom.attention.base import AttentionBackend, AttentionMetadata
+from tokenloom.attention.paged_kv import LayerKVCache
 
 
 class ReferenceBackend(AttentionBackend):
@@ -18,23 +19,23 @@ class ReferenceBackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKVCache,
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        kv.write(k, v, meta.slot_mapping)
         out = torch.empty_like(q)
-        num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+        num_heads, num_kv_heads = q.shape[1], kv.num_kv_heads
         group = num_heads // num_kv_heads
         bs = meta.block_size
         for i in range(meta.num_seqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             ctx = meta.seq_lens[i]
             blocks = meta.block_tables[i, : (ctx + bs - 1) // bs]
-            keys = gather_kv(k_cache, blocks, ctx).repeat_interleave(group, dim=1).float()  # (ctx, Hq, D)
-            vals = gather_kv(v_cache, blocks, ctx).repeat_interleave(group, dim=1).float()
+            keys, vals = kv.gather(blocks, ctx, torch.float32)  # (ctx, Hkv, D)
+            keys = keys.repeat_interleave(group, dim=1)  # (ctx, Hq, D)
+            vals = vals.repeat_interleave(group, dim=1)
             qi = q[start:end].float()  # (q_len, Hq, D)
             scores = torch.einsum("qhd,khd->hqk", qi, keys) * scale  # (Hq, q_len, ctx)
             q_pos = torch.arange(ctx - (end - start), ctx, device=q.device)[:, None]

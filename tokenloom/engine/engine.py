@@ -106,8 +106,9 @@ class LLMEngine:
                 f"{mcfg.max_position_embeddings}"
             )
         self.draft = self._load_draft()
-        spec = KVCacheSpec.for_model(mcfg, config.block_size, self.loaded.dtype)
-        draft_spec = (KVCacheSpec.for_model(self.draft.config, config.block_size, self.draft.dtype)
+        int8_kv = config.kv_cache_dtype == "int8"
+        spec = KVCacheSpec.for_model(mcfg, config.block_size, self.loaded.dtype, int8_kv)
+        draft_spec = (KVCacheSpec.for_model(self.draft.config, config.block_size, self.draft.dtype, int8_kv)
                       if self.draft is not None else None)
         self.capacity = plan_capacity(spec, config.kv_cache_memory, self.device, self.max_model_len,
                                       draft_spec.bytes_per_block if draft_spec else 0)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from tokenloom.attention.paged_kv import SCALE_DTYPE, LayerKVCache
 from tokenloom.config import parse_memory
 from tokenloom.errors import ConfigError
 from tokenloom.models.config import ModelConfig
@@ -18,16 +19,25 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's dtype: what attention computes in
+    quantized: bool = False  # INT8 codes + one float16 scale per token and head (--kv-cache-dtype int8)
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> "KVCacheSpec":
-        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype)
+    def for_model(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype, quantized: bool = False) -> "KVCacheSpec":
+        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype, quantized)
+
+    @property
+    def cache_dtype_name(self) -> str:
+        return "int8" if self.quantized else str(self.dtype).removeprefix("torch.")
 
     @property
     def bytes_per_token(self) -> int:
-        # K and V, every layer.
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+        # K and V, every layer: head_dim values per head, plus the head's scale when quantized.
+        if self.quantized:
+            per_head = self.head_dim + SCALE_DTYPE.itemsize
+        else:
+            per_head = self.head_dim * self.dtype.itemsize
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
     @property
     def bytes_per_block(self) -> int:
@@ -40,6 +50,7 @@ class KVCapacity:
     block_size: int
     bytes_total: int
     max_model_len: int
+    cache_dtype: str = "bfloat16"  # what each K/V value is stored as
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +63,8 @@ class KVCapacity:
 
     def describe(self) -> str:
         return (
-            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens "
+            f"KV cache ({self.cache_dtype}): {self.num_blocks} blocks x {self.block_size} tokens = "
+            f"{self.num_tokens} tokens "
             f"({self.bytes_total / 2**20:.1f} MiB); max concurrency at max_model_len={self.max_model_len}: "
             f"{self.max_concurrency:.2f} sequences"
         )
@@ -82,13 +94,14 @@ def plan_capacity(spec: KVCacheSpec, budget: str, device: torch.device, max_mode
             f"--kv-cache-memory {budget} holds {num_blocks * spec.block_size} tokens of KV, fewer than one "
             f"sequence of --max-model-len {max_model_len}; raise the budget or lower --max-model-len"
         )
-    return KVCapacity(int(num_blocks), spec.block_size, int(num_blocks * per_block), max_model_len)
+    return KVCapacity(int(num_blocks), spec.block_size, int(num_blocks * per_block), max_model_len,
+                      spec.cache_dtype_name)
 
 
-def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (k_cache, v_cache), each (num_blocks, block_size, num_kv_heads, head_dim)."""
-    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[LayerKVCache]:
+    """One LayerKVCache per layer, (num_blocks, block_size, num_kv_heads, head_dim) each for K and V."""
     return [
-        (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+        LayerKVCache.allocate(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype,
+                              spec.quantized, device)
         for _ in range(spec.num_layers)
     ]

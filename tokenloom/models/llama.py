@@ -13,11 +13,12 @@ import torch
 from torch import nn
 
 from tokenloom.attention.base import AttentionBackend, AttentionMetadata
+from tokenloom.attention.paged_kv import LayerKVCache
 from tokenloom.errors import ModelLoadError
 from tokenloom.models.config import ModelConfig
 from tokenloom.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: (k_cache, v_cache)
+KVCache = LayerKVCache  # one per layer
 CosSin = tuple[torch.Tensor, torch.Tensor]  # RoPE cos, sin per token: (T, 1, head_dim) each
 
 
@@ -40,7 +41,7 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, k, rope, self.kernels)
-        out = self.backend.forward(q, k, v, kv[0], kv[1], meta, self.scale, self.sliding_window)
+        out = self.backend.forward(q, k, v, kv, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

@@ -4,6 +4,7 @@
 #include <tuple>
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                         int64_t sliding_window);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
@@ -14,7 +15,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
 bool skinny_available();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention, one query per sequence");
+  m.def("paged_decode", &paged_decode, "paged decode attention, one query per sequence; int8 caches with float16 scales");
   m.def("add_rms_norm", &add_rms_norm, "optional residual add + RMSNorm; returns (normed, new residual)");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation: silu(gate) * up");
   m.def("rotary_inplace", &rotary_inplace, "neox rotary embedding applied in place to q and k");

@@ -1,13 +1,16 @@
 // Paged decode attention for CPU: one query token per sequence, K/V read in place through block tables.
 //
 // q:            (B, Hq, D)                 one new token per sequence, RoPE applied
-// k/v_cache:    (num_blocks, block_size, Hkv, D), contiguous
+// k/v_cache:    (num_blocks, block_size, Hkv, D), contiguous; q's dtype, or int8 codes
+// k/v_scale:    (num_blocks, block_size, Hkv) float16, only with int8 codes: value = code * scale
 // block_tables: (B, max_blocks) int64      block ids of each sequence, in order
 // seq_lens:     (B,) int64                 context length of each sequence, the new token included
 // out:          (B, Hq, D)
 //
 // Work is split over (sequence, kv head) pairs; the G = Hq / Hkv query heads that share a KV head are
-// processed together so each K/V row is loaded once. Scores and the softmax are in float32.
+// processed together so each K/V row is loaded once. Scores and the softmax are in float32. With an
+// INT8 cache a row's scale is applied once per row, not per element: q . (c * s) = s * (q . c), and
+// p * (c * s) = (p * s) * c.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -19,15 +22,17 @@
 #include "dtype.h"
 
 // Widen one row of D values to float32 (vectorisable; see dtype.h).
-template <typename scalar_t>
-static inline void widen(const scalar_t* src, float* dst, int64_t n) {
+template <typename cache_t>
+static inline void widen(const cache_t* src, float* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
 // kD > 0 fixes the head size at compile time (fully unrolled, vectorised inner loops); 0 = runtime size.
-template <typename scalar_t, int64_t kD>
+// cache_t: scalar_t, or int8_t with per-(token, head) float16 scales (k_scale/v_scale non-null).
+template <typename scalar_t, typename cache_t, int64_t kD>
 static void paged_decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Half* k_scale, const at::Half* v_scale,
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
                                 double scale, int64_t sliding_window) {
   const int64_t B = q.size(0), Hq = q.size(1), D = kD > 0 ? kD : q.size(2);
@@ -36,8 +41,8 @@ static void paged_decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t max_blocks = block_tables.size(1);
   const int64_t token_stride = Hkv * D, block_stride = block_size * token_stride;
   const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const cache_t* kp = k_cache.data_ptr<cache_t>();
+  const cache_t* vp = v_cache.data_ptr<cache_t>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
@@ -59,15 +64,17 @@ static void paged_decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, 
       const int64_t t_begin = first - first % block_size;
       // scores[g, t] = q_g . k_t
       for (int64_t t0 = t_begin; t0 < len; t0 += block_size) {
-        const scalar_t* kbase = kp + bt[b * max_blocks + t0 / block_size] * block_stride + h * D;
+        const int64_t block = bt[b * max_blocks + t0 / block_size];
+        const cache_t* kbase = kp + block * block_stride + h * D;
         for (int64_t t = std::max(t0, first), hi = std::min(t0 + block_size, len); t < hi; ++t) {
           widen(kbase + (t - t0) * token_stride, row.data(), D);
+          const float ks = k_scale ? static_cast<float>(k_scale[(block * block_size + t - t0) * Hkv + h]) : 1.f;
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qf.data() + g * D;
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
             for (int64_t d = 0; d < D; ++d) s += qg[d] * row[d];
-            scores[g * n + (t - first)] = s;
+            scores[g * n + (t - first)] = s * ks;
           }
         }
       }
@@ -88,11 +95,13 @@ static void paged_decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, 
       // acc[g] = sum_t p[g, t] * v_t
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = t_begin; t0 < len; t0 += block_size) {
-        const scalar_t* vbase = vp + bt[b * max_blocks + t0 / block_size] * block_stride + h * D;
+        const int64_t block = bt[b * max_blocks + t0 / block_size];
+        const cache_t* vbase = vp + block * block_stride + h * D;
         for (int64_t t = std::max(t0, first), hi = std::min(t0 + block_size, len); t < hi; ++t) {
           widen(vbase + (t - t0) * token_stride, row.data(), D);
+          const float vs = v_scale ? static_cast<float>(v_scale[(block * block_size + t - t0) * Hkv + h]) : 1.f;
           for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[g * n + (t - first)];
+            const float p = scores[g * n + (t - first)] * vs;
             float* ag = acc.data() + g * D;
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];
@@ -106,25 +115,45 @@ static void paged_decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, 
   });
 }
 
+template <typename scalar_t, typename cache_t>
+static void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Half* ks, const at::Half* vs, const at::Tensor& bt, const at::Tensor& lens,
+                              at::Tensor& out, double scale, int64_t sliding_window) {
+  switch (q.size(2)) {
+    case 64: paged_decode_kernel<scalar_t, cache_t, 64>(q, k_cache, v_cache, ks, vs, bt, lens, out, scale, sliding_window); break;
+    case 128: paged_decode_kernel<scalar_t, cache_t, 128>(q, k_cache, v_cache, ks, vs, bt, lens, out, scale, sliding_window); break;
+    default: paged_decode_kernel<scalar_t, cache_t, 0>(q, k_cache, v_cache, ks, vs, bt, lens, out, scale, sliding_window);
+  }
+}
+
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                         int64_t sliding_window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode: q (B, Hq, D), cache (N, bs, Hkv, D)");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: contiguous inputs");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "paged_decode: q and cache dtypes differ");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode: k and v cache dtypes differ");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 || q.scalar_type() == k_cache.scalar_type(), "paged_decode: q and cache dtypes differ");
+  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()), "paged_decode: scales go with an int8 cache");
+  if (int8) {
+    for (const at::Tensor& s : {*k_scale, *v_scale})
+      TORCH_CHECK(s.scalar_type() == at::kHalf && s.is_contiguous() && s.dim() == 3 &&
+                      s.size(0) == k_cache.size(0) && s.size(1) == k_cache.size(1) && s.size(2) == k_cache.size(2),
+                  "paged_decode: scales must be contiguous float16 (num_blocks, block_size, Hkv)");
+  }
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_decode: query heads not a multiple of kv heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "paged_decode: int64 tables");
   auto bt = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   at::Tensor out = at::empty_like(q);
+  const at::Half* ks = int8 ? k_scale->data_ptr<at::Half>() : nullptr;
+  const at::Half* vs = int8 ? v_scale->data_ptr<at::Half>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    switch (q.size(2)) {
-      case 64: paged_decode_kernel<scalar_t, 64>(q, k_cache, v_cache, bt, lens, out, scale, sliding_window); break;
-      case 128: paged_decode_kernel<scalar_t, 128>(q, k_cache, v_cache, bt, lens, out, scale, sliding_window); break;
-      default: paged_decode_kernel<scalar_t, 0>(q, k_cache, v_cache, bt, lens, out, scale, sliding_window);
-    }
+    if (int8)
+      dispatch_head_dim<scalar_t, int8_t>(q, k_cache, v_cache, ks, vs, bt, lens, out, scale, sliding_window);
+    else
+      dispatch_head_dim<scalar_t, scalar_t>(q, k_cache, v_cache, ks, vs, bt, lens, out, scale, sliding_window);
   });
   return out;
 }
-

@@ -1,0 +1,115 @@
+"""INT8 KV cache (--kv-cache-dtype int8): quantization error, capacity, and outputs through the engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PROMPTS
+from tokenloom import LLM, SamplingParams
+from tokenloom.attention.paged_kv import LayerKVCache, dequantize_kv, quantize_kv
+from tokenloom.engine.kv_cache import KVCacheSpec, plan_capacity
+from tokenloom.errors import ConfigError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def test_round_trip_error_is_within_half_a_step() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(50, 3, 64) * torch.logspace(-3, 2, 50)[:, None, None]  # rows of very different ranges
+    x[7, 1] = 0.0  # an all-zero head must not divide by zero
+    codes, scale = quantize_kv(x)
+    assert codes.dtype == torch.int8 and scale.dtype == torch.float16 and scale.shape == (50, 3)
+    err = (dequantize_kv(codes, scale, torch.float32) - x).abs()
+    assert torch.all(err <= scale.float()[..., None] / 2 * (1 + 1e-6))
+    assert torch.equal(dequantize_kv(codes, scale, torch.float32)[7, 1], torch.zeros(64))
+    assert codes.abs().max() <= 127
+
+
+def test_write_returns_what_the_cache_holds() -> None:
+    torch.manual_seed(1)
+    kv = LayerKVCache.allocate(8, 4, 2, 16, torch.float32, True, torch.device("cpu"))
+    k, v = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    slots = torch.tensor([3, 9, 10, 17, 30])
+    k_seen, v_seen = kv.write(k, v, slots)
+    got_k, got_v = kv.gather_blocks(torch.arange(8), torch.float32)
+    assert torch.equal(got_k.flatten(0, 1)[slots], k_seen)
+    assert torch.equal(got_v.flatten(0, 1)[slots], v_seen)
+    assert not torch.equal(k_seen, k)  # quantized, and close
+    torch.testing.assert_close(k_seen, k, atol=0.03, rtol=0)
+
+
+def _smollm2_spec(quantized: bool) -> KVCacheSpec:
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64 dims, bfloat16.
+    return KVCacheSpec(30, 3, 64, 16, torch.bfloat16, quantized)
+
+
+def test_int8_nearly_doubles_the_blocks_for_a_fixed_budget() -> None:
+    cpu = torch.device("cpu")
+    bf16 = plan_capacity(_smollm2_spec(False), "1GiB", cpu, 2048)
+    int8 = plan_capacity(_smollm2_spec(True), "1GiB", cpu, 2048)
+    # bfloat16: 2 x 64 bytes per token and head; int8: 64 codes + a 2-byte scale.
+    assert _smollm2_spec(False).bytes_per_token == 2 * 30 * 3 * 128
+    assert _smollm2_spec(True).bytes_per_token == 2 * 30 * 3 * 66
+    assert int8.num_blocks == 2**30 // (16 * 2 * 30 * 3 * 66)
+    assert int8.num_blocks / bf16.num_blocks == pytest.approx(128 / 66, rel=1e-3)
+    assert int8.max_concurrency / bf16.max_concurrency == pytest.approx(128 / 66, rel=1e-3)
+    assert "KV cache (int8)" in int8.describe() and "KV cache (bfloat16)" in bf16.describe()
+
+
+def test_engine_reports_int8_capacity(tiny_llama: Path) -> None:
+    base = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="16MiB")
+    q = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="16MiB", kv_cache_dtype="int8")
+    # The tiny model has 16-dim heads: 64 bytes per head-token in float32 against 16 + 2.
+    assert q.engine.capacity.num_blocks == pytest.approx(base.engine.capacity.num_blocks * 64 / 18, rel=1e-3)
+    assert q.engine.runner.kv_caches[0].k.dtype == torch.int8
+
+
+def test_bad_kv_cache_dtype_is_rejected(tiny_llama: Path) -> None:
+    with pytest.raises(ConfigError, match="kv-cache-dtype"):
+        LLM(str(tiny_llama), kv_cache_dtype="fp4")
+
+
+@pytest.fixture(scope="module")
+def int8_baseline(tiny_llama: Path) -> list[list[int]]:
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="16MiB", kv_cache_dtype="int8",
+              attention_backend="reference")
+    return [o.outputs[0].token_ids for p in PROMPTS for o in llm.generate([p], GREEDY)]
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {},  # the C++ kernel, whole batch
+        {"attention_backend": "sdpa"},
+        {"block_size": 5, "max_num_batched_tokens": 7, "max_num_seqs": 2},  # tiny prefill chunks
+        {"block_size": 4, "max_model_len": 256, "kv_cache_memory": str(80 * 4 * 2 * 2 * 2 * 18),
+         "enable_prefix_caching": False},  # 80 blocks: preemption
+        {"speculative": "ngram", "num_speculative_tokens": 3},  # verification chunks read the INT8 cache
+    ],
+)
+def test_int8_greedy_is_batch_and_backend_invariant(tiny_llama: Path, int8_baseline: list[list[int]],
+                                                     engine: dict[str, object]) -> None:
+    """The cache, not the chunking, decides what attention sees: any batch, chunk size, backend or
+    preemption gives the same tokens as the reference backend, one prompt at a time."""
+    kw: dict[str, object] = {"dtype": "float32", "kv_cache_memory": "16MiB", "kv_cache_dtype": "int8", **engine}
+    llm = LLM(str(tiny_llama), **kw)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 2, GREEDY)]
+    assert got == int8_baseline * 2
+    llm.engine.kv.pool.check_invariants()
+
+
+def test_int8_logprobs_stay_close_to_the_float_cache(tiny_llama: Path) -> None:
+    """Quantization noise in K/V moves the next-token log-probabilities by little."""
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    base = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="16MiB").generate(PROMPTS, sp)
+    q = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="16MiB", kv_cache_dtype="int8").generate(PROMPTS, sp)
+    for a, b in zip(base, q):
+        # The first token's distribution comes from the prompt's attention over quantized K/V.
+        first_a, first_b = a.outputs[0].logprobs[0].top, b.outputs[0].logprobs[0].top
+        shared = first_a.keys() & first_b.keys()
+        assert len(shared) >= 4
+        for tok in shared:
+            assert abs(first_b[tok] - first_a[tok]) < 0.05
