@@ -124,7 +124,8 @@ def smollm2_gguf() -> Path:
 class LiveServer:
     """A tokenloom server on 127.0.0.1 (free port) in a background thread."""
 
-    def __init__(self, model_dir: Path, name: str = "tiny", api_key: str | None = None, **engine: object) -> None:
+    def __init__(self, model_dir: Path, name: str = "tiny", api_key: str | None = None, role: str = "both",
+                 **engine: object) -> None:
         import threading
 
         import uvicorn
@@ -141,7 +142,13 @@ class LiveServer:
         self.metrics = ServingMetrics(name)
         self.engine = AsyncLLMEngine.from_config(EngineConfig(**cfg), max_waiting, self.metrics.on_step)  # type: ignore[arg-type]
         self.name = name
-        app = build_app(self.engine, name, api_key, self.metrics)
+        self.receiver = None
+        if role == "decode":
+            from tokenloom.disagg.transfer import KVReceiver
+
+            self.receiver = KVReceiver(self.engine, "127.0.0.1", 0).start()
+        app = build_app(self.engine, name, api_key, self.metrics, role,
+                        self.receiver.address if self.receiver else None)
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -152,6 +159,8 @@ class LiveServer:
     def close(self) -> None:
         self._server.should_exit = True
         self._thread.join(10)
+        if self.receiver is not None:
+            self.receiver.close()
         self.engine.shutdown()
 
 

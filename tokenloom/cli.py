@@ -13,7 +13,7 @@ from dataclasses import fields
 
 from tokenloom.attention.base import BACKENDS
 from tokenloom.config import EngineConfig
-from tokenloom.errors import TokenloomError
+from tokenloom.errors import ConfigError, TokenloomError
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -91,14 +91,25 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenloom.serve.app import build_app
     from tokenloom.serve.metrics import ServingMetrics
 
-    engine = AsyncLLMEngine.from_config(engine_config(args), max_waiting=args.max_waiting)
+    config = engine_config(args)
+    if args.role != "both" and not config.enable_prefix_caching:
+        raise ConfigError(f"--role {args.role} hands KV blocks over through the prefix cache: drop --no-prefix-caching")
+    if args.role != "both" and config.speculative == "draft":
+        raise ConfigError(f"--role {args.role} does not transfer a draft model's KV: use --speculative ngram or self")
+    engine = AsyncLLMEngine.from_config(config, max_waiting=args.max_waiting)
     core = engine.engine
     name = args.served_model_name or core.model_name
     metrics = ServingMetrics(name)
     engine.on_step = metrics.on_step
     print(core.capacity.describe(), file=sys.stderr)
     logging.getLogger("tokenloom.access").setLevel(logging.INFO)  # one JSON line per request, on stderr
-    app = build_app(engine, name, args.api_key, metrics)
+    receiver = None
+    if args.role == "decode":
+        from tokenloom.disagg.transfer import KVReceiver
+
+        receiver = KVReceiver(engine, args.kv_host or args.host, args.kv_port).start()
+        print(f"KV receiver on {receiver.address}", file=sys.stderr)
+    app = build_app(engine, name, args.api_key, metrics, args.role, receiver.address if receiver else None)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.graceful_timeout,
                                            log_level="info" if args.verbose else "warning"))
 
@@ -122,6 +133,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
+        if receiver is not None:
+            receiver.close()
         engine.shutdown()
     return 0
 
@@ -183,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-waiting", type=int, default=256, help="requests allowed to queue; more get 429")
     srv.add_argument("--graceful-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    srv.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                     help="disaggregated serving: prefill workers compute prompts and ship their KV blocks to "
+                          "decode workers (the router pairs them); both: a whole server")
+    srv.add_argument("--kv-host", default=None, help="decode role: address the KV receiver binds (default --host)")
+    srv.add_argument("--kv-port", type=int, default=0, help="decode role: KV receiver port (0: a free one, "
+                                                            "reported by /health as kv_address)")
     add_engine_args(srv)
     srv.set_defaults(func=_serve)
 

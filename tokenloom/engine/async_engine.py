@@ -10,12 +10,14 @@ If a step raises, the engine is marked dead: every stream ends with `EngineDead`
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.engine import LLMEngine
@@ -40,7 +42,16 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    """Run `fn(engine)` between two steps, on the loop thread (the KV cache is the loop's alone)."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: "concurrent.futures.Future[Any]"
+
+
 _Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
+T = TypeVar("T")
 StepHook = Callable[[LLMEngine, list[RequestOutput]], None]  # runs on the engine thread after each step
 
 
@@ -62,7 +73,7 @@ class AsyncLLMEngine:
         output of each aborted request): the metrics hook."""
         self.max_waiting = max_waiting
         self.on_step = on_step
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams and _dead across the two threads
         self._dead: BaseException | None = None
@@ -135,6 +146,24 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
         self._inbox.put(_Abort(request_id))
 
+    def call_soon(self, fn: Callable[[LLMEngine], T]) -> "concurrent.futures.Future[T]":
+        """Run `fn(engine)` on the loop thread between steps (any thread may call this); the future
+        holds its result or exception. Used to read and write KV blocks without racing a step."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if not self.is_alive:
+            fut.set_exception(EngineDead(f"the engine is not running ({self._dead!r})"))
+            return fut
+        self._inbox.put(_Call(fn, fut))
+        if not self.is_alive:  # died between the check and the put: the loop will never see it
+            try:
+                fut.set_exception(EngineDead(f"the engine is not running ({self._dead!r})"))
+            except concurrent.futures.InvalidStateError:
+                pass
+        return fut
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        return await asyncio.wrap_future(self.call_soon(fn))
+
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stop the loop thread: in-flight requests are aborted and their streams end with EngineDead."""
         self._inbox.put(None)
@@ -180,7 +209,14 @@ class AsyncLLMEngine:
         if self.on_step is not None:
             self.on_step(self.engine, outputs)
 
-    def _apply(self, cmd: _Add | _Abort) -> None:
+    def _apply(self, cmd: _Add | _Abort | _Call) -> None:
+        if isinstance(cmd, _Call):
+            if cmd.future.set_running_or_notify_cancel():
+                try:
+                    cmd.future.set_result(cmd.fn(self.engine))
+                except Exception as e:  # the caller's failure, not the engine's
+                    cmd.future.set_exception(e)
+            return
         if isinstance(cmd, _Abort):
             final = self.engine.abort_request(cmd.request_id)
             if final is not None:
@@ -219,3 +255,10 @@ class AsyncLLMEngine:
             except RuntimeError:
                 pass
             self.engine.abort_request(rid)
+        while True:  # calls queued behind the failure must not wait forever
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Call) and cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(err)

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tokenloom.engine.async_engine import AsyncLLMEngine
 from tokenloom.errors import TokenloomError
 from tokenloom.serve.errors import Unauthorized, error_body, error_response
+from tokenloom.serve.kv_api import router as kv_router
 from tokenloom.serve.metrics import ServingMetrics
 from tokenloom.serve.ollama_api import router as ollama_router
 from tokenloom.serve.openai_api import router as openai_router
@@ -38,15 +39,23 @@ def _to_ollama(resp: JSONResponse) -> JSONResponse:
     return JSONResponse({"error": body["error"]["message"]}, status_code=resp.status_code, headers=keep)
 
 
+ROLES = ("both", "prefill", "decode")
+
+
 def build_app(
-    engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, metrics: ServingMetrics | None = None
+    engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, metrics: ServingMetrics | None = None,
+    role: str = "both", kv_address: str | None = None,
 ) -> FastAPI:
+    """`role`: both (a whole server), prefill (also computes prompts for decode workers,
+    /internal/kv/prefill) or decode (receives KV blocks at `kv_address`, which /health reports)."""
     app = FastAPI(title="tokenloom", version="0.1.0")
     app.state.engine = engine
     app.state.model_name = model_name
     app.state.metrics = metrics
+    app.state.role = role
     app.include_router(openai_router)
     app.include_router(ollama_router)
+    app.include_router(kv_router)
 
     def fail(request: Request, exc: Exception) -> JSONResponse:
         resp = error_response(exc)
@@ -88,7 +97,10 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         ok = engine.is_alive
-        return JSONResponse({"status": "ok" if ok else "dead"}, status_code=200 if ok else 503)
+        body: dict[str, str] = {"status": "ok" if ok else "dead", "role": role}
+        if kv_address is not None:
+            body["kv_address"] = kv_address
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -134,11 +134,9 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-@router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request) -> Any:
-    engine, served = _state(request)
-    _check_model(body.model, served)
-    tok = engine.engine.tokenizer
+def completion_prompt_ids(tok: Any, body: CompletionRequest) -> tuple[list[str | None], list[list[int]]]:
+    """The prompts of a completion request (a string, token ids, or a list of either): their texts
+    (None for token ids) and token ids."""
     p = body.prompt
     if isinstance(p, str):
         raw: list[str | list[int]] = [p]
@@ -149,7 +147,21 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if not raw:
         raise InvalidRequest("prompt must not be empty", "prompt")
     texts = [r if isinstance(r, str) else None for r in raw]
-    prompts = [tok.encode(r) if isinstance(r, str) else list(r) for r in raw]
+    return texts, [tok.encode(r) if isinstance(r, str) else list(r) for r in raw]
+
+
+def chat_prompt_ids(tok: Any, body: ChatCompletionRequest) -> list[int]:
+    """The chat request's messages through the model's chat template, as token ids."""
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    return tok.encode_chat(messages, body.add_generation_prompt)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    engine, served = _state(request)
+    _check_model(body.model, served)
+    tok = engine.engine.tokenizer
+    texts, prompts = completion_prompt_ids(tok, body)
     params = []
     for ids in prompts:
         if not ids:
@@ -243,8 +255,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     engine, served = _state(request)
     _check_model(body.model, served)
     tok = engine.engine.tokenizer
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    ids = tok.encode_chat(messages, body.add_generation_prompt)
+    ids = chat_prompt_ids(tok, body)
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top = body.top_logprobs if body.logprobs else None
     if body.top_logprobs is not None and not body.logprobs:

@@ -1,0 +1,159 @@
+"""Disaggregated prefill/decode: KV blocks read out of one engine, checked on the wire, written into
+another, and the decode side's output identical to a colocated run."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import PROMPTS, LiveServer
+from tokenloom import LLM, SamplingParams
+from tokenloom.disagg.blocks import KVLayout, KVTransferError, export_prefix, import_prefix
+from tokenloom.disagg.transfer import send_blocks
+from tokenloom.disagg.wire import decode_request, encode_request
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PREFILL_ONLY = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+LONG = PROMPTS[3]  # 60-odd tokens: several full blocks of 16
+
+
+def _llm(model: Path, **kw: object) -> LLM:
+    return LLM(str(model), **{"dtype": "float32", "kv_cache_memory": "16MiB", "max_model_len": 256, **kw})
+
+
+def _prefilled(model: Path, prompt_ids: list[int], **kw: object) -> LLM:
+    src = _llm(model, **kw)
+    src.generate([prompt_ids], PREFILL_ONLY)
+    return src
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_blocks_moved_between_engines_give_the_colocated_output(tiny_llama: Path, kv_cache_dtype: str) -> None:
+    colocated = _llm(tiny_llama, kv_cache_dtype=kv_cache_dtype)
+    ids = colocated.tokenizer.encode(LONG)
+    want = colocated.generate([ids], GREEDY)[0].outputs[0].token_ids
+
+    src = _prefilled(tiny_llama, ids, kv_cache_dtype=kv_cache_dtype)
+    records = export_prefix(src.engine, ids)
+    assert len(records) == len(ids) // 16 >= 3
+    layout, arrived = decode_request(encode_request(KVLayout.of(src.engine), records))
+
+    dst = _llm(tiny_llama, kv_cache_dtype=kv_cache_dtype)
+    assert import_prefix(dst.engine, layout, arrived) == (len(records), 0)
+    dst.engine.kv.pool.check_invariants()
+    assert dst.engine.kv.pool.num_cached == len(records)  # held by the cache, by no sequence
+    out = dst.generate([ids], GREEDY)[0]
+    # The decode side computed only what the blocks do not cover (at least the last prompt token).
+    assert out.num_cached_tokens == min(len(records), (len(ids) - 1) // 16) * 16
+    assert out.outputs[0].token_ids == want
+    # A second import of the same prompt finds every block already there.
+    assert import_prefix(dst.engine, layout, arrived) == (0, len(records))
+    dst.engine.kv.pool.check_invariants()
+
+
+def test_import_stops_when_the_pool_is_full_and_keeps_the_prefix(tiny_llama: Path) -> None:
+    ids = _llm(tiny_llama).tokenizer.encode(LONG * 3)[:200]
+    src = _prefilled(tiny_llama, ids)
+    records = export_prefix(src.engine, ids)
+    # 2 KiB... float32: 2 layers x 2 (K,V) x 2 heads x 16 dims x 4 bytes x 16 tokens = 8 KiB per block.
+    dst = _llm(tiny_llama, kv_cache_memory=str(16 * 8192))
+    busy = dst.engine.kv.pool.allocate(dst.engine.kv.pool.num_free - 5)  # others' work, not to be touched
+    written, present = import_prefix(dst.engine, KVLayout.of(src.engine), records)
+    assert (written, present) == (5, 0) and len(records) > 5
+    assert all(dst.engine.kv.pool.ref_counts[b] == 1 for b in busy)
+    dst.engine.kv.pool.check_invariants()
+
+
+def test_wire_rejects_corruption_and_mismatches(tiny_llama: Path) -> None:
+    ids = _llm(tiny_llama).tokenizer.encode(LONG)
+    src = _prefilled(tiny_llama, ids)
+    layout = KVLayout.of(src.engine)
+    frames = encode_request(layout, export_prefix(src.engine, ids))
+
+    flipped = bytearray(frames[3])
+    flipped[100] ^= 0xFF
+    with pytest.raises(KVTransferError, match="SHA-256"):
+        decode_request([*frames[:3], bytes(flipped), *frames[4:]])
+    with pytest.raises(KVTransferError, match="arrived"):
+        decode_request(frames[:-1])
+    with pytest.raises(KVTransferError, match="magic"):
+        decode_request([b"HTTP/1.1", *frames[1:]])
+    # Bytes filed under other tokens: the chained hash no longer matches.
+    header = json.loads(frames[1])
+    header["blocks"][1]["tokens"][0] += 1
+    with pytest.raises(KVTransferError, match="hash does not match"):
+        decode_request([frames[0], json.dumps(header).encode(), *frames[2:]])
+
+    other = _llm(tiny_llama, block_size=8)
+    with pytest.raises(KVTransferError, match="layout mismatch"):
+        import_prefix(other.engine, *decode_request(frames))
+    int8 = _llm(tiny_llama, kv_cache_dtype="int8")
+    with pytest.raises(KVTransferError, match="layout mismatch"):
+        import_prefix(int8.engine, *decode_request(frames))
+
+
+def test_send_to_nobody_times_out_with_a_clear_error(tiny_llama: Path) -> None:
+    from tokenloom.bench.client import free_port
+
+    src = _prefilled(tiny_llama, [5, 6, 7] * 10)
+    records = export_prefix(src.engine, [5, 6, 7] * 10)
+    t = time.monotonic()
+    with pytest.raises(KVTransferError, match="no answer"):
+        send_blocks(f"tcp://127.0.0.1:{free_port()}", KVLayout.of(src.engine), records, timeout=0.5)
+    assert time.monotonic() - t < 10
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama: Path) -> "tuple[LiveServer, LiveServer]":
+    p, d = LiveServer(tiny_llama, role="prefill"), LiveServer(tiny_llama, role="decode")
+    yield p, d
+    p.close()
+    d.close()
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+def test_prefill_worker_ships_blocks_and_decode_worker_continues(pair: "tuple[LiveServer, LiveServer]",
+                                                                 endpoint: str) -> None:
+    prefill, decode = pair
+    health = httpx.get(decode.url + "/health").json()
+    assert health["role"] == "decode" and health["kv_address"].startswith("tcp://127.0.0.1:")
+    if endpoint == "/v1/chat/completions":
+        body = {"model": "tiny", "messages": [{"role": "user", "content": LONG}], "max_tokens": 12,
+                "temperature": 0}
+    else:
+        body = {"model": "tiny", "prompt": LONG + " once more", "max_tokens": 12, "temperature": 0}
+    # The colocated answer: the prefill worker serving the whole request itself.
+    want = httpx.post(prefill.url + endpoint, json=body, timeout=60).json()
+    r = httpx.post(prefill.url + "/internal/kv/prefill", timeout=60,
+                   json={"endpoint": endpoint, "request": body, "kv_target": health["kv_address"]})
+    assert r.status_code == 200, r.text
+    shipped = r.json()
+    assert shipped["blocks_sent"] >= 3 and shipped["blocks_written"] + shipped["blocks_present"] == shipped["blocks_sent"]
+    got = httpx.post(decode.url + endpoint, json=body, timeout=60).json()
+    cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == min(shipped["blocks_sent"], (got["usage"]["prompt_tokens"] - 1) // 16) * 16 > 0
+    key = "message" if endpoint == "/v1/chat/completions" else None
+    pick = (lambda c: c["message"]["content"]) if key else (lambda c: c["text"])
+    assert pick(got["choices"][0]) == pick(want["choices"][0])
+
+
+def test_prefill_endpoint_errors(pair: "tuple[LiveServer, LiveServer]") -> None:
+    prefill, decode = pair
+    body = {"model": "tiny", "prompt": LONG, "max_tokens": 4}
+    r = httpx.post(decode.url + "/internal/kv/prefill", json={"endpoint": "/v1/completions", "request": body,
+                                                              "kv_target": "tcp://127.0.0.1:1"})
+    assert r.status_code == 400 and "role decode" in r.json()["error"]["message"]
+    r = httpx.post(prefill.url + "/internal/kv/prefill", json={"endpoint": "/v1/completions",
+                                                               "request": {**body, "model": "nope"},
+                                                               "kv_target": "tcp://127.0.0.1:1"})
+    assert r.status_code == 404
+    from tokenloom.bench.client import free_port
+
+    r = httpx.post(prefill.url + "/internal/kv/prefill", timeout=30,
+                   json={"endpoint": "/v1/completions", "request": body,
+                         "kv_target": f"tcp://127.0.0.1:{free_port()}", "timeout": 0.5})
+    assert r.status_code == 502 and r.json()["error"]["type"] == "kv_transfer_error"

@@ -1,0 +1,85 @@
+"""The KV transfer wire format: one ZeroMQ multipart message per prompt, one reply.
+
+Request (prefill worker -> decode worker):
+    frame 0   b"TLKV/1"                              magic and version
+    frame 1   UTF-8 JSON header:
+              {"layout": {"model", "num_layers", "num_kv_heads", "head_dim", "block_size", "cache_dtype"},
+               "blocks": [{"hash": int, "parent_hash": int | null, "tokens": [int, ...],
+                           "nbytes": int, "sha256": hex}, ...]}
+    frame 2+i the bytes of block i: for each layer, the block's slice of K, V (and, with an INT8 cache,
+              of the K and V scales), each (block_size, num_kv_heads, head_dim) or (block_size,
+              num_kv_heads), C order, little-endian, in the cache's dtype.
+Reply (decode worker -> prefill worker): one UTF-8 JSON frame,
+    {"ok": true, "written": int, "present": int} or {"ok": false, "error": str}.
+
+Checks on arrival (`decode_request`), before a byte reaches the cache: the magic; one frame per block;
+each frame's length and SHA-256 against the header; each block's hash recomputed from its parent's hash
+and its tokens (the prefix cache's chained hash: the bytes are filed under the tokens they belong to);
+the chain unbroken from the first block; block size and bytes per block against the layout. The
+receiver also checks the layout against its own cache (`blocks.import_prefix`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from tokenloom.disagg.blocks import BlockRecord, KVLayout, KVTransferError
+from tokenloom.engine.kv_cache_manager import hash_block
+
+MAGIC = b"TLKV/1"
+
+
+def encode_request(layout: KVLayout, records: list[BlockRecord]) -> list[bytes]:
+    header = {
+        "layout": layout.to_json(),
+        "blocks": [{"hash": r.block_hash, "parent_hash": r.parent_hash, "tokens": list(r.tokens),
+                    "nbytes": len(r.payload), "sha256": hashlib.sha256(r.payload).hexdigest()} for r in records],
+    }
+    return [MAGIC, json.dumps(header).encode(), *(r.payload for r in records)]
+
+
+def decode_request(frames: list[bytes]) -> tuple[KVLayout, list[BlockRecord]]:
+    if len(frames) < 2 or frames[0] != MAGIC:
+        raise KVTransferError("not a tokenloom KV transfer (bad magic or too few frames)")
+    try:
+        header: dict[str, Any] = json.loads(frames[1])
+        layout = KVLayout(**header["layout"])
+        metas: list[dict[str, Any]] = header["blocks"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise KVTransferError(f"bad KV transfer header: {e}") from e
+    payloads = frames[2:]
+    if len(payloads) != len(metas):
+        raise KVTransferError(f"header names {len(metas)} blocks, {len(payloads)} arrived")
+    records: list[BlockRecord] = []
+    parent: int | None = None
+    for i, (m, data) in enumerate(zip(metas, payloads)):
+        tokens = tuple(int(t) for t in m["tokens"])
+        if len(tokens) != layout.block_size:
+            raise KVTransferError(f"block {i}: {len(tokens)} tokens, the block size is {layout.block_size}")
+        if m["parent_hash"] != parent:
+            raise KVTransferError(f"block {i}: its parent is not the block before it")
+        if hash_block(parent, tokens) != m["hash"]:
+            raise KVTransferError(f"block {i}: hash does not match its tokens and parent")
+        if len(data) != m["nbytes"] or len(data) != layout.block_nbytes:
+            raise KVTransferError(f"block {i}: {len(data)} bytes, expected {layout.block_nbytes}")
+        if hashlib.sha256(data).hexdigest() != m["sha256"]:
+            raise KVTransferError(f"block {i}: bytes corrupted in transit (SHA-256 mismatch)")
+        records.append(BlockRecord(m["hash"], parent, tokens, bytes(data)))
+        parent = m["hash"]
+    return layout, records
+
+
+def encode_reply(ok: bool, **fields: Any) -> bytes:
+    return json.dumps({"ok": ok, **fields}).encode()
+
+
+def decode_reply(frame: bytes) -> dict[str, Any]:
+    try:
+        reply: dict[str, Any] = json.loads(frame)
+    except ValueError as e:
+        raise KVTransferError(f"bad reply from the decode worker: {e}") from e
+    if not reply.get("ok"):
+        raise KVTransferError(f"the decode worker refused the KV blocks: {reply.get('error', 'no reason given')}")
+    return reply
