@@ -134,6 +134,16 @@ def test_second_request_starts_at_its_first_uncached_token(tiny_llama: Path) -> 
     assert llm.reset_prefix_cache() > 0 and llm.generate([prompt], GREEDY)[0].num_cached_tokens == 0
 
 
+def test_preempted_requests_are_queried_once(tiny_llama: Path) -> None:
+    """A preempted request's re-admission is not a new lookup: queries count each prompt once."""
+    # 2 KiB per block of 4 float32 tokens: 80 blocks = 320 tokens, far less than ten prompts + outputs.
+    llm = LLM(str(tiny_llama), dtype="float32", block_size=4, max_model_len=256, kv_cache_memory=str(80 * 2048))
+    prompts = [[7 + i] + list(range(40, 40 + 30 + i)) for i in range(10)]  # distinct first tokens: no sharing
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.stats()["prefix_cache_queries"] == sum(len(p) for p in prompts)
+
+
 def test_forced_hash_collision_falls_back_to_recomputation(tiny_llama: Path) -> None:
     kw = dict(dtype="float32", block_size=4, kv_cache_memory="4MiB")
     off = LLM(str(tiny_llama), enable_prefix_caching=False, **kw)

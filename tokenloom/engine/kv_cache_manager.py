@@ -91,11 +91,11 @@ class KVCacheManager:
         seq.block_ids = list(cached) + self.pool.allocate(need)
         seq.num_computed_tokens = start
         seq.num_cached_blocks = len(cached)
-        if seq.num_cached_tokens is None:  # reported for the first admission, not after preemption
+        if seq.num_cached_tokens is None:  # the first admission; a preempted one's return is not a query
             seq.num_cached_tokens = start
-        if self.enable_prefix_caching:
-            self.stats.queries += seq.num_tokens
-            self.stats.hits += start
+            if self.enable_prefix_caching:
+                self.stats.queries += seq.num_tokens
+                self.stats.hits += start
         return True
 
     # -- after a step -------------------------------------------------------------------------
