@@ -33,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantization of the decoder's linear layers at load (CPU, bfloat16)")
     g.add_argument("--quant-group-size", type=int, default=d.quant_group_size, help="int4 group size")
+    g.add_argument("--gguf-weights", default=d.gguf_weights, choices=["keep", "dequantize"],
+                   help="keep: a GGUF's Q8_0/Q4_0/Q4_1 linear weights run quantized (bfloat16 on CPU); "
+                        "dequantize: expand them to --dtype at load")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "int8"],
                    help="auto: the model's dtype; int8: codes with a float16 scale per token and head (~2x the tokens)")
     g.add_argument("--prefix-caching", dest="enable_prefix_caching", default=d.enable_prefix_caching,
@@ -158,6 +161,14 @@ def _eval_perplexity(args: argparse.Namespace) -> int:
     return run_perplexity(args, LLMEngine(engine_config(args)))
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    from tokenloom.quant.checkpoint import quantize_checkpoint
+
+    n = quantize_checkpoint(args.model, args.out, args.quantization, args.quant_group_size, args.gguf_weights)
+    print(f"wrote {args.out}: {n} quantized linear layers ({args.quantization})")
+    return 0
+
+
 def _bench_compare(args: argparse.Namespace) -> int:
     from tokenloom.bench.report import compare
 
@@ -222,6 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--out", type=Path, default=Path("results/compare"))
     cmp_.set_defaults(func=_bench_compare)
 
+    qz = sub.add_parser("quantize", help="write a weight-only quantized checkpoint (HF folder) that loads back fast")
+    qz.add_argument("--model", default=None, help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    qz.add_argument("--out", type=Path, required=True, help="output folder")
+    qz.add_argument("--quantization", required=True, help="int8 (per output channel) or int4 (group-wise)")
+    qz.add_argument("--quant-group-size", type=int, default=EngineConfig().quant_group_size, help="int4 group size")
+    qz.add_argument("--gguf-weights", default=EngineConfig().gguf_weights, choices=["keep", "dequantize"],
+                    help="a GGUF's Q8_0/Q4_0/Q4_1 layers: kept as they are, or dequantized and re-quantized")
+    qz.set_defaults(func=_quantize)
+
     ev = sub.add_parser("eval", help="quality checks")
     esub = ev.add_subparsers(dest="eval_command", required=True)
     ppl = esub.add_parser("perplexity", help="sliding-window perplexity over real text")
@@ -230,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_perplexity_args(ppl)
     add_engine_args(ppl)
     ppl.set_defaults(func=_eval_perplexity)
+
     return parser
 
 

@@ -27,6 +27,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | cpu | sdpa | reference
     quantization: str | None = None  # None | "int8" (per channel) | "int4" (group-wise): weight-only
     quant_group_size: int = 128  # int4 group size (a smaller supported one where it does not divide a layer)
+    gguf_weights: str = "keep"  # keep | dequantize: GGUF Q8_0/Q4_0/Q4_1 linear weights stay quantized (bf16, CPU)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (per token and head scales: ~2x the tokens)
     enable_prefix_caching: bool = True  # share the K/V of full blocks between requests with a common prefix
     # Speculative decoding: None | "ngram" (prompt lookup) | "draft" (--draft-model) | "self" (first
@@ -60,6 +61,8 @@ class EngineConfig:
             raise ConfigError(f"--quantization must be int8 or int4, got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ConfigError(f"--kv-cache-dtype must be auto or int8, got {self.kv_cache_dtype!r}")
+        if self.gguf_weights not in ("keep", "dequantize"):
+            raise ConfigError(f"--gguf-weights must be keep or dequantize, got {self.gguf_weights!r}")
         if self.quant_group_size not in (32, 64, 128, 256):
             raise ConfigError(f"--quant-group-size must be 32, 64, 128 or 256, got {self.quant_group_size!r}")
 

@@ -28,6 +28,9 @@ if TYPE_CHECKING:  # the engine is imported when a benchmark runs, not when the 
 
 def add_offline_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
+    # Same weights and dtype on both sides: a GGUF's quantized tensors are expanded to --dtype as
+    # transformers does (`--gguf-weights keep` measures tokenloom's quantized kernels instead).
+    p.set_defaults(gguf_weights="dequantize")
     p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--batch-prompts", type=int, default=64)

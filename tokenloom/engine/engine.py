@@ -90,7 +90,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.backend = get_backend(config.attention_backend, self.device)
-        self.loaded: LoadedModel = load_model(config.model, config.dtype, self.device, self.backend, config.max_model_len)
+        self.loaded: LoadedModel = load_model(config.model, config.dtype, self.device, self.backend, config.max_model_len,
+                                              config.gguf_weights)
         if config.quantization is not None:
             n = quantize_model(self.loaded.model, config.quantization, config.quant_group_size)
             log.info("quantized %d linear layers to %s", n, config.quantization)
@@ -153,7 +154,7 @@ class LLMEngine:
                               f"{mcfg.num_hidden_layers} layers")
         if cfg.speculative != "draft" or cfg.draft_model is None:
             return None
-        draft = load_model(cfg.draft_model, cfg.dtype, self.device, self.backend, self.max_model_len)
+        draft = load_model(cfg.draft_model, cfg.dtype, self.device, self.backend, self.max_model_len, cfg.gguf_weights)
         if isinstance(self.backend, CPUBackend):
             draft.model.set_kernels(self.backend.kernels)
         if draft.config.vocab_size != mcfg.vocab_size:

@@ -1,7 +1,8 @@
 """Builds and loads the C++ CPU kernels (csrc/) with torch's JIT extension loader, once per machine.
 
 Kernels: paged decode attention, residual add + RMSNorm, SiLU-and-mul, rotary embedding, few-row bf16
-matmul (decode and speculative verification steps). Each has a
+matmul (decode and speculative verification steps); and, in a module of their own
+(`load_quant_kernels`), the weight-only int8 / int4 matmuls of tokenloom/quant. Each has a
 pure-torch twin (models/layers.py, attention/sdpa.py) that is the test oracle and the path on CUDA.
 
 The first load compiles (about a minute on 2 cores) into torch's extension cache; later loads take
@@ -36,3 +37,26 @@ def load_cpu_kernels() -> ModuleType | None:
     except Exception as e:  # a missing compiler or ninja must not stop the engine: fall back to torch
         log.warning("CPU kernels unavailable (%s); using the torch SDPA path for decode attention", e)
         return None
+
+
+@functools.cache
+def load_quant_kernels() -> ModuleType | None:
+    """The int8 / int4 weight-only matmuls (csrc/quant_gemm.cpp), or None when they cannot be built or
+    the CPU lacks AVX512-BF16 (the quantized layers then fall back to dequantize + F.linear)."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        mod = load(
+            name="tokenloom_quant_kernels",
+            sources=[str(_CSRC / f) for f in ("quant_bindings.cpp", "quant_gemm.cpp")],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # a missing compiler must not stop the engine
+        log.warning("quantized matmul kernels unavailable (%s); quantized layers dequantize per call", e)
+        return None
+    if not mod.quant_available():
+        log.warning("quantized matmul kernels need AVX512-BF16; quantized layers dequantize per call")
+        return None
+    return mod

@@ -337,13 +337,15 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return None
 
 
-def state_dict_from_gguf(f: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def state_dict_from_gguf(f: GGUFFile, config: ModelConfig, dtype: torch.dtype,
+                         skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """HF-named dequantized tensors; `skip`: GGUF tensors kept quantized elsewhere (gguf_kept.py)."""
     arch = str(f.metadata["general.architecture"])
     heads = {".attn_q.": config.num_attention_heads, ".attn_k.": config.num_key_value_heads}
     jobs: list[tuple[str, int | None]] = []  # (GGUF name, heads whose RoPE rows to un-permute)
     names: list[str] = []
     for name in f.tensors:
-        if name in _CONSUMED:
+        if name in _CONSUMED or name in skip:
             continue
         hf_name = hf_tensor_name(name)
         if hf_name is None:
@@ -358,7 +360,7 @@ def state_dict_from_gguf(f: GGUFFile, config: ModelConfig, dtype: torch.dtype) -
         return w if permute is None else _unpermute_rope_rows(w, permute)
 
     out = dict(zip(names, _map_single_threaded(load, jobs)))
-    _check_complete(out, config, f.path)
+    _check_complete(out, config, f.path, {n for s in skip if (n := hf_tensor_name(s)) is not None})
     return out
 
 
@@ -392,7 +394,7 @@ def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _check_complete(sd: dict[str, torch.Tensor], config: ModelConfig, path: Path) -> None:
+def _check_complete(sd: dict[str, torch.Tensor], config: ModelConfig, path: Path, elsewhere: set[str]) -> None:
     needed = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         needed.append("lm_head.weight")
@@ -400,6 +402,6 @@ def _check_complete(sd: dict[str, torch.Tensor], config: ModelConfig, path: Path
     if config.attention_bias:
         per_layer += [v for k, v in _LAYER_TENSORS.items() if k.endswith(".bias")]
     needed += [f"model.layers.{i}.{n}" for i in range(config.num_hidden_layers) for n in per_layer]
-    missing = [n for n in needed if n not in sd]
+    missing = [n for n in needed if n not in sd and n not in elsewhere]
     if missing:
         raise ModelLoadError(f"{path}: GGUF lacks {len(missing)} tensors, e.g. {missing[:3]}")

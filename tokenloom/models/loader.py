@@ -21,6 +21,8 @@ from tokenloom.tokenizer import Tokenizer
 
 MODEL_FAMILIES: dict[str, type[LlamaForCausalLM]] = {"llama": LlamaForCausalLM}
 
+GGUF_WEIGHTS = ("keep", "dequantize")
+
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -52,26 +54,50 @@ def load_model(
     device: torch.device,
     backend: AttentionBackend,
     max_position: int | None = None,
+    gguf_weights: str = "keep",
 ) -> LoadedModel:
-    """`path` None means the embedded default model. `max_position` sizes the RoPE table."""
+    """`path` None means the embedded default model. `max_position` sizes the RoPE table.
+    `gguf_weights` "keep": a GGUF's Q8_0/Q4_0/Q4_1 linear weights stay quantized (bfloat16 on CPU with
+    the quantized kernels built; otherwise, and with "dequantize", they are expanded to `dtype`).
+    A folder written by `tokenloom quantize` loads its quantized layers from their stored codes."""
     start = time.perf_counter()
     p = default_model_path() if path is None else Path(path).expanduser()
     if not p.exists():
         raise ModelLoadError(f"model path {str(p)!r} does not exist")
+    quantized: dict[str, nn.Module] = {}  # module path -> layer built from quantized storage
+    stored: dict[str, dict[str, torch.Tensor]] = {}  # a quantized checkpoint's buffers, by module path
     if p.is_file() and p.suffix == ".gguf":
-        from tokenloom.models.gguf import load_gguf
+        from tokenloom.models.gguf import LOADABLE_DTYPES, config_from_gguf, read_gguf, state_dict_from_gguf
+        from tokenloom.models.gguf_tokenizer import tokenizer_from_gguf
 
         dt = resolve_dtype(dtype)
-        config, tensors, tokenizer = load_gguf(p, dt)
+        if dt not in LOADABLE_DTYPES:
+            raise ModelLoadError(f"dtype {dt} is not supported for GGUF weights; use float32 or bfloat16")
+        f = read_gguf(p)
+        config, tokenizer = config_from_gguf(f), tokenizer_from_gguf(f)
+        consumed: set[str] = set()
+        if _keep_gguf(gguf_weights, dt, device):
+            from tokenloom.models.gguf_kept import kept_layers
+
+            kept, consumed = kept_layers(f, config)
+            quantized.update(kept)
+        tensors = state_dict_from_gguf(f, config, dt, frozenset(consumed))
         weights: Iterator[tuple[str, torch.Tensor]] = iter(tensors.items())
     elif p.is_dir():
         config = ModelConfig.from_hf_folder(p)
-        hint = json.loads((p / "config.json").read_text()).get("torch_dtype") or json.loads(
-            (p / "config.json").read_text()
-        ).get("dtype")
-        dt = resolve_dtype(dtype, hint)
+        raw = json.loads((p / "config.json").read_text())
+        dt = resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"))
         tokenizer = Tokenizer.from_hf_folder(p)
         weights = _safetensors_weights(p)
+        qcfg = raw.get("quantization_config")
+        if qcfg is not None:
+            from tokenloom.quant.checkpoint import check_quantization_config, split_stored
+
+            check_quantization_config(qcfg, p)
+            if dt != torch.bfloat16 or device.type != "cpu":
+                raise ModelLoadError(f"{p}: a tokenloom-quantized checkpoint runs in bfloat16 on CPU")
+            plain, stored = split_stored(weights)
+            weights = iter(plain)
     else:
         raise ModelLoadError(f"{p}: expected a Hugging Face model folder or a .gguf file")
     if not tokenizer.eos_token_ids and config.eos_token_ids:
@@ -80,12 +106,29 @@ def load_model(
     max_pos = max_position or config.max_position_embeddings
     with torch.device("meta"):
         model = family(config, backend, max_pos)
+    if stored:
+        from tokenloom.quant.checkpoint import stored_layers
+
+        quantized.update(stored_layers(stored, model))
+    for name, layer in quantized.items():
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, layer)
     _materialize(model, device, dt)
     with torch.inference_mode():
         model.load_weights(weights)
     model.eval()
     name = DEFAULT_MODEL_NAME if path is None else (p.stem if p.is_file() else p.name)
     return LoadedModel(model, config, tokenizer, name, p, dt, time.perf_counter() - start)
+
+
+def _keep_gguf(mode: str, dtype: torch.dtype, device: torch.device) -> bool:
+    if mode not in GGUF_WEIGHTS:
+        raise ModelLoadError(f"gguf weights mode must be one of {', '.join(GGUF_WEIGHTS)}, got {mode!r}")
+    if mode != "keep" or dtype != torch.bfloat16 or device.type != "cpu":
+        return False  # float32 (the parity tests' dtype) and CUDA keep the dequantized path
+    from tokenloom.kernels import load_quant_kernels
+
+    return load_quant_kernels() is not None  # without the kernels, dense bf16 is faster
 
 
 def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:

@@ -1,0 +1,68 @@
+"""`tokenloom quantize`: the saved checkpoint loads back into the same layers and the same outputs as
+`--quantization` at load, without re-quantizing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.cli import main
+from tokenloom.quant import weight_only
+from tokenloom.quant.linear import QuantLinear
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_saved_checkpoint_matches_on_the_fly_quantization(
+    tiny_llama: Path, tmp_path: Path, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(tiny_llama), "--out", str(out), "--quantization", method,
+                 "--quant-group-size", "32"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"] == {"quant_method": "tokenloom", "bits": 4 if method == "int4" else 8,
+                                          "group_size": 32}
+    assert (out / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()
+    kw = dict(dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256)
+    fly = LLM(str(tiny_llama), quantization=method, quant_group_size=32, **kw)
+
+    def no_requantization(*a: object, **k: object) -> None:
+        raise AssertionError("the checkpoint's layers were quantized again")
+
+    monkeypatch.setattr(weight_only.Int8Linear, "from_linear", no_requantization)
+    monkeypatch.setattr(weight_only.Int4Linear, "from_linear", no_requantization)
+    saved = LLM(str(out), **kw)
+    a, b = fly.engine.loaded.model, saved.engine.loaded.model
+    fly_layers = {n: m for n, m in a.named_modules() if isinstance(m, QuantLinear)}
+    saved_layers = {n: m for n, m in b.named_modules() if isinstance(m, QuantLinear)}
+    assert fly_layers.keys() == saved_layers.keys() and "lm_head" in saved_layers
+    for name, layer in fly_layers.items():
+        assert type(layer) is type(saved_layers[name])
+        assert torch.equal(layer.codes, saved_layers[name].codes) and torch.equal(layer.scales, saved_layers[name].scales)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    x, y = fly.generate(["The quick brown fox"], sp)[0].outputs[0], saved.generate(["The quick brown fox"], sp)[0].outputs[0]
+    assert x.token_ids == y.token_ids
+    assert [p.logprob for p in x.logprobs] == [p.logprob for p in y.logprobs]
+
+
+def test_quantize_rejects_a_bad_method(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["quantize", "--model", str(tiny_llama), "--out", str(tmp_path / "q"), "--quantization", "int3"])
+    assert rc == 2 and "int8, int4" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
+
+
+def test_unknown_quant_method_is_refused(tiny_llama: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from tokenloom.errors import ModelLoadError
+
+    folder = tmp_path / "gptq"
+    shutil.copytree(tiny_llama, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="gptq"):
+        LLM(str(folder), kv_cache_memory="8MiB")

@@ -1,0 +1,148 @@
+"""Weight-only quantized linear layers: the weight stays as int8 / int4 codes with float16 scales in
+memory, the matmul runs in the C++ kernels of kernels/csrc/quant_gemm.cpp (bfloat16 activations,
+float32 accumulation); without them (no compiler, no AVX512-BF16) each call dequantizes to bfloat16.
+
+One storage format covers tokenloom's own quantization and the GGUF types kept as they are:
+- Int8Linear: w = d q, scales (N, G) float16: G = 1 (per output channel) or K/32 (GGUF Q8_0).
+- Int4Linear: w = d q + m, q in [0, 15], scales and mins (N, G) float16, G = K/g (GGUF Q4_1; Q4_0 is
+  m = -8 d).
+The `codes` buffer is in the kernels' layout (quant/layout.py: (N, Kp) int8 or (N, Kp/2) uint8, K
+padded to 64); `from_codes` takes plain (N, K) codes. `reference()` dequantizes to float32 and calls
+F.linear: the test oracle.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenloom.errors import ConfigError
+from tokenloom.kernels import load_quant_kernels
+from tokenloom.quant.layout import int4_from_kernel, int4_to_kernel, int8_from_kernel, int8_to_kernel, padded
+
+class QuantLinear(nn.Module):
+    """Shared buffers and forward of Int8Linear / Int4Linear (subclasses set `bits`)."""
+
+    bits: int = 0
+    kernels: ModuleType | None = None  # set on first forward: the C++ module, or None for the torch path
+    _kernels_checked = False
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                 bias: torch.Tensor | None, in_features: int) -> None:
+        super().__init__()
+        n, g_count = scales.shape
+        row_bytes = padded(in_features) * self.bits // 8
+        if codes.shape != (n, row_bytes) or in_features % g_count:
+            raise ConfigError(f"quantized layer: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} "
+                              f"do not fit {in_features} inputs")
+        self.in_features, self.out_features = in_features, n
+        self.group_size = in_features // g_count
+        self.dtype = torch.bfloat16  # activations and outputs
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scales", scales.to(torch.float16).contiguous())
+        self.register_buffer("mins", None if mins is None else mins.to(torch.float16).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16).contiguous())
+
+    @classmethod
+    def _load_kernels(cls) -> ModuleType | None:
+        if not QuantLinear._kernels_checked:
+            QuantLinear.kernels = load_quant_kernels()
+            QuantLinear._kernels_checked = True
+        return QuantLinear.kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(self.dtype)
+        k = self._load_kernels() if x2.is_cpu else None
+        if k is not None:
+            y = k.quant_linear(x2, self.codes, self.scales, self.mins, self.bits, self.bias)
+        else:
+            y = F.linear(x2, self.dequantize().to(self.dtype), self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def codes_as_int(self) -> torch.Tensor:
+        """(N, K) codes as stored values (int8) or nibbles (int4)."""
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight the layer stands for, (N, K) float32."""
+        n, k, g = self.out_features, self.in_features, self.group_size
+        q = self.codes_as_int().float().reshape(n, k // g, g)
+        w = q * self.scales.float()[..., None]
+        if self.mins is not None:
+            w = w + self.mins.float()[..., None]
+        return w.reshape(n, k)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 oracle: the dequantized weight in F.linear."""
+        return F.linear(x.float(), self.dequantize(), None if self.bias is None else self.bias.float())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+
+
+class Int8Linear(QuantLinear):
+    bits = 8
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, in_features: int) -> None:
+        """`codes`: (N, Kp) int8 in kernel layout; `scales`: (N, 1) or (N, K/g) with g a multiple of 32."""
+        if codes.dtype != torch.int8:
+            raise ConfigError(f"Int8Linear needs int8 codes, got {codes.dtype}")
+        groups = scales.shape[1]
+        if groups != 1 and (in_features % groups or (in_features // groups) % 32):
+            raise ConfigError(f"Int8Linear: {groups} scale groups do not split {in_features} inputs into "
+                              f"multiples of 32")
+        super().__init__(codes, scales, None, bias, in_features)
+
+    @classmethod
+    def from_codes(cls, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        """`q`: (N, K) int8; w = scales[:, k // g] q."""
+        return cls(int8_to_kernel(q), scales, bias, q.shape[1])
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        from tokenloom.quant.weight_only import quantize_int8
+
+        q, s = quantize_int8(linear.weight.data)
+        return cls.from_codes(q, s, None if linear.bias is None else linear.bias.data)
+
+    def codes_as_int(self) -> torch.Tensor:
+        return int8_from_kernel(self.codes, self.in_features)
+
+
+class Int4Linear(QuantLinear):
+    bits = 4
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None,
+                 in_features: int) -> None:
+        """`codes`: (N, Kp/2) uint8 in kernel layout; `scales`, `mins`: (N, K/g) with g 32 or a multiple of 64."""
+        if codes.dtype != torch.uint8:
+            raise ConfigError(f"Int4Linear needs uint8 codes, got {codes.dtype}")
+        groups = scales.shape[1]
+        g = in_features // groups if in_features % groups == 0 else 0
+        if in_features % 32 or not (g == 32 or (g and g % 64 == 0)):
+            raise ConfigError(f"Int4Linear: {in_features} inputs in {groups} groups; groups must be 32 or a "
+                              f"multiple of 64 inputs")
+        if mins.shape != scales.shape:
+            raise ConfigError(f"Int4Linear: mins {tuple(mins.shape)} differ from scales {tuple(scales.shape)}")
+        super().__init__(codes, scales, mins, bias, in_features)
+
+    @classmethod
+    def from_codes(cls, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> Int4Linear:
+        """`q`: (N, K) codes in [0, 15]; w = scales[:, k // g] q + mins[:, k // g]."""
+        return cls(int4_to_kernel(q), scales, mins, bias, q.shape[1])
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
+        from tokenloom.quant.weight_only import int4_group_size, quantize_int4
+
+        g = int4_group_size(linear.in_features, group_size)
+        q, d, m = quantize_int4(linear.weight.data, g)
+        return cls.from_codes(q, d, m, None if linear.bias is None else linear.bias.data)
+
+    def codes_as_int(self) -> torch.Tensor:
+        return int4_from_kernel(self.codes, self.in_features)
