@@ -96,6 +96,20 @@ def test_wire_rejects_corruption_and_mismatches(tiny_llama: Path) -> None:
         import_prefix(int8.engine, *decode_request(frames))
 
 
+def test_block_hashes_agree_across_processes() -> None:
+    """Workers are separate processes: a prompt's chained block hashes must not depend on the process
+    (Python 3.11's hash(None) does: it is address-based)."""
+    import subprocess
+    import sys
+
+    from tokenloom.engine.kv_cache_manager import hash_block
+
+    code = "from tokenloom.engine.kv_cache_manager import hash_block as h; print(h(None, (1, 2)), h(h(None, (1, 2)), (3,)))"
+    theirs = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    first = hash_block(None, (1, 2))
+    assert [int(x) for x in theirs] == [first, hash_block(first, (3,))]
+
+
 def test_send_to_nobody_times_out_with_a_clear_error(tiny_llama: Path) -> None:
     from tokenloom.bench.client import free_port
 
@@ -157,3 +171,108 @@ def test_prefill_endpoint_errors(pair: "tuple[LiveServer, LiveServer]") -> None:
                    json={"endpoint": "/v1/completions", "request": body,
                          "kv_target": f"tcp://127.0.0.1:{free_port()}", "timeout": 0.5})
     assert r.status_code == 502 and r.json()["error"]["type"] == "kv_transfer_error"
+
+
+def _stream_text(url: str, endpoint: str, body: dict) -> str:
+    text = ""
+    with httpx.stream("POST", url + endpoint, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    return text
+
+
+def test_router_splits_prefill_and_decode_with_the_colocated_output(pair: "tuple[LiveServer, LiveServer]") -> None:
+    from router_helpers import router_metrics, start_router
+
+    prefill, decode = pair
+    router = start_router([decode.url], prefill_workers=(prefill.url,))
+    try:
+        health = httpx.get(router.url + "/health").json()
+        assert health["prefill_workers"][0]["healthy"] and health["workers"][0]["url"] == decode.url
+        for i, endpoint in enumerate(["/v1/chat/completions", "/v1/completions"]):
+            prompt = f"{i} router split {LONG}"  # a prompt neither worker has seen
+            body: dict = ({"messages": [{"role": "user", "content": prompt}]} if i == 0 else {"prompt": prompt})
+            body.update(model="tiny", max_tokens=12, temperature=0)
+            pick = (lambda c: c["message"]["content"]) if i == 0 else (lambda c: c["text"])
+            got = httpx.post(router.url + endpoint, json=body, timeout=60).json()
+            # Only the last, partial block was computed by the decode worker.
+            assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == (got["usage"]["prompt_tokens"] - 1) // 16 * 16 > 0
+            want = httpx.post(prefill.url + endpoint, json=body, timeout=60).json()  # colocated: one worker does all
+            assert pick(got["choices"][0]) == pick(want["choices"][0])
+            streamed = {**body, "messages": [{"role": "user", "content": "s" + prompt}]} if i == 0 else \
+                {**body, "prompt": "s" + prompt}
+            assert _stream_text(router.url, endpoint, streamed) == _stream_text(prefill.url, endpoint, streamed)
+        # An Ollama request goes straight to the decode worker, which prefills it itself.
+        r = httpx.post(router.url + "/api/generate", timeout=60,
+                       json={"model": "tiny", "prompt": LONG, "stream": False, "options": {"num_predict": 4}})
+        assert r.status_code == 200
+        # A bad request is the decode worker's to answer; its prefill is counted as rejected.
+        r = httpx.post(router.url + "/v1/completions", json={"model": "nope", "prompt": LONG, "max_tokens": 2})
+        assert r.status_code == 404
+        m = router_metrics(router)
+        assert m[f"tokenloom:router_kv_prefills_total{{outcome=ok,worker={prefill.url}}}"] == 4
+        assert m[f"tokenloom:router_kv_prefills_total{{outcome=rejected,worker={prefill.url}}}"] == 1
+        assert m[f"tokenloom:router_kv_transfer_bytes_total{{worker={prefill.url}}}"] > 0
+    finally:
+        router.close()
+
+
+def test_router_without_a_live_prefill_worker_lets_decode_compute(pair: "tuple[LiveServer, LiveServer]") -> None:
+    from router_helpers import router_metrics, start_router
+
+    from tokenloom.bench.client import free_port
+
+    prefill, decode = pair
+    router = start_router([decode.url], prefill_workers=(f"http://127.0.0.1:{free_port()}",))
+    try:
+        body = {"model": "tiny", "prompt": "no prefill worker " + LONG, "max_tokens": 8, "temperature": 0}
+        got = httpx.post(router.url + "/v1/completions", json=body, timeout=60).json()
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # decode computed it all
+        want = httpx.post(prefill.url + "/v1/completions", json=body, timeout=60).json()
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        assert router_metrics(router)["tokenloom:router_kv_prefills_total{outcome=skipped,worker=none}"] == 1
+    finally:
+        router.close()
+
+
+@pytest.mark.cluster
+def test_cluster_command_starts_prefill_and_decode_workers(tiny_llama: Path, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from router_helpers import samples
+
+    from tokenloom.bench.client import free_port, wait_until_healthy
+
+    port = free_port()
+    log = tmp_path / "cluster.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tokenloom.cli", "cluster", "--workers", "1", "--prefill-workers",
+                                 "1", "--port", str(port), "--model", str(tiny_llama), "--served-model-name", "tiny",
+                                 "--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "256",
+                                 "--num-threads", "1", "--health-interval", "0.5"], stdout=out, stderr=out)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, timeout=180, alive=lambda: proc.poll() is None)
+        health = httpx.get(url + "/health").json()
+        decode_url, prefill_url = health["workers"][0]["url"], health["prefill_workers"][0]["url"]
+        assert httpx.get(decode_url + "/health").json()["role"] == "decode"
+        assert httpx.get(prefill_url + "/health").json()["role"] == "prefill"
+        body = {"model": "tiny", "prompt": LONG, "max_tokens": 6, "temperature": 0}
+        got = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == (got["usage"]["prompt_tokens"] - 1) // 16 * 16
+        m = samples(httpx.get(url + "/metrics").text)
+        assert m[f"tokenloom:router_kv_prefills_total{{outcome=ok,worker={prefill_url}}}"] == 1
+    except Exception:
+        print(log.read_text()[-3000:])
+        raise
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -251,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(ppl)
     ppl.set_defaults(func=_eval_perplexity)
 
+    from tokenloom.router.cli import add_cluster_parser, add_router_parser
+
+    add_router_parser(sub)
+    add_cluster_parser(sub)
     return parser
 
 

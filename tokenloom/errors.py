@@ -40,3 +40,11 @@ class UnsupportedArchitecture(ModelLoadError):
 
 class ConfigError(TokenloomError, ValueError):
     """An engine option (CLI flag / constructor argument) is out of range."""
+
+
+class NoHealthyWorker(EngineDead):
+    """The router has no healthy worker left to send a request to (or every try failed)."""
+
+
+class AllWorkersBusy(Overloaded):
+    """Every healthy worker answered 429 (queue full); the router answers 429 too."""

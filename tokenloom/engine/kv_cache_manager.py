@@ -18,10 +18,15 @@ from tokenloom.engine.sequence import Sequence
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 
 
+_ROOT = 0x746F6B656E6C6F6F  # the first block's "parent": an int, never None (see below)
+
+
 def hash_block(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
-    # Python's hash of a tuple of ints is deterministic (no per-process salt), 64 bits; hits are
+    # Python's hash of a tuple of ints is deterministic (no per-process salt), 64 bits, so two worker
+    # processes agree on it (disaggregated prefill/decode sends blocks under these hashes). hash(None)
+    # is not: before Python 3.12 it derives from None's address, hence the integer root. Hits are
     # verified against the tokens anyway, so a collision costs a recomputation, not correctness.
-    return hash((parent_hash, tokens))
+    return hash((_ROOT if parent_hash is None else parent_hash, tokens))
 
 
 @dataclass

@@ -1,0 +1,142 @@
+"""`tokenloom router` (a gateway in front of running workers) and `tokenloom cluster` (N local workers and a
+router, one command)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from tokenloom.router.config import POLICIES, RouterConfig
+
+
+def _router_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    d = RouterConfig(workers=("http://placeholder",))  # only for the defaults
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=default_port, help="the router's port")
+    p.add_argument("--policy", default=d.policy, choices=POLICIES,
+                   help="cache_aware: a prompt prefix goes back to the worker that served it, load permitting")
+    p.add_argument("--cache-aware-margin", type=int, default=d.cache_aware_margin,
+                   help="cache_aware: outstanding requests the prefix's worker may have above the least loaded one")
+    p.add_argument("--health-interval", type=float, default=d.health_interval, help="seconds between /health checks")
+    p.add_argument("--health-timeout", type=float, default=d.health_timeout, help="seconds a /health check may take")
+    p.add_argument("--unhealthy-after", type=int, default=d.unhealthy_after,
+                   help="/health timeouts in a row that take a worker out (refusals and non-200 answers: at once)")
+    p.add_argument("--max-retries", type=int, default=d.max_retries,
+                   help="other workers a request is sent to when one fails before its response started")
+    p.add_argument("--read-timeout", type=float, default=d.read_timeout,
+                   help="longest silence of a worker mid-response (a stream then ends with an error event)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (forwarded to the workers)")
+    p.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="seconds in-flight responses get to finish after SIGTERM")
+    p.add_argument("--kv-transfer-timeout", type=float, default=d.kv_transfer_timeout,
+                   help="split prefill/decode: seconds a prefill worker's KV send to a decode worker may take")
+
+
+def _config(args: argparse.Namespace, workers: list[str], prefill_workers: list[str]) -> RouterConfig:
+    return RouterConfig(workers=tuple(workers), prefill_workers=tuple(prefill_workers), policy=args.policy,
+                        health_interval=args.health_interval, health_timeout=args.health_timeout,
+                        unhealthy_after=args.unhealthy_after, max_retries=args.max_retries, api_key=args.api_key,
+                        cache_aware_margin=args.cache_aware_margin, read_timeout=args.read_timeout,
+                        kv_transfer_timeout=args.kv_transfer_timeout)
+
+
+def add_router_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("router", help="a gateway (load balancer) in front of running `tokenloom serve` workers")
+    p.add_argument("--worker", action="append", required=True, metavar="URL",
+                   help="a worker's base URL, e.g. http://10.0.0.5:8000 (repeat for each worker); with "
+                        "--prefill-worker, these are the decode workers (`serve --role decode`)")
+    p.add_argument("--prefill-worker", action="append", default=[], metavar="URL",
+                   help="a `serve --role prefill` worker: it computes the prompts of OpenAI completion and chat "
+                        "requests and ships their KV blocks to the decode worker chosen for them (repeatable)")
+    _router_args(p, default_port=8000)
+    p.set_defaults(func=_run_router)
+
+
+def add_cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from tokenloom.cli import add_engine_args
+
+    p = sub.add_parser("cluster", help="N local `tokenloom serve` workers and a router in front of them")
+    p.add_argument("--workers", type=int, default=2,
+                   help="how many workers to start (decode workers when --prefill-workers > 0)")
+    p.add_argument("--prefill-workers", type=int, default=0,
+                   help="also start this many `--role prefill` workers; the --workers ones then run --role decode")
+    p.add_argument("--worker-ports", type=int, nargs="+", default=None, metavar="PORT",
+                   help="the workers' ports (one per worker, decode workers first; default: free ports)")
+    p.add_argument("--worker-host", default="127.0.0.1",
+                   help="address the workers listen on (0.0.0.0 lets a Prometheus elsewhere scrape them)")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds the workers get to come up")
+    p.add_argument("--served-model-name", default=None, help="passed to every worker")
+    p.add_argument("--max-waiting", type=int, default=256, help="passed to every worker")
+    _router_args(p, default_port=8000)
+    add_engine_args(p)
+    p.set_defaults(func=_run_cluster)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from tokenloom.router.app import build_router_app
+    from tokenloom.router.server import run_app
+
+    config = _config(args, args.worker, args.prefill_worker)
+    logging.getLogger("tokenloom.router").setLevel(logging.INFO)  # workers going out and coming back
+    run_app(build_router_app(config), args.host, args.port, args.graceful_timeout, args.verbose)
+    return 0
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """The `tokenloom serve` flags every cluster worker gets: the engine flags given to `cluster` (those
+    that differ from their defaults) and the serving flags workers share with the router."""
+    from tokenloom.cli import add_engine_args
+
+    probe = argparse.ArgumentParser(add_help=False)
+    add_engine_args(probe)
+    argv: list[str] = []
+    for action in probe._actions:  # argparse offers no public list of a parser's options
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(action.option_strings[0] if value else action.option_strings[1])  # --x / --no-x
+        else:
+            argv += [action.option_strings[0], str(value)]
+    argv += ["--max-waiting", str(args.max_waiting), "--graceful-timeout", str(args.graceful_timeout)]
+    if args.served_model_name is not None:
+        argv += ["--served-model-name", args.served_model_name]
+    if args.api_key is not None:
+        argv += ["--api-key", args.api_key]
+    return argv
+
+
+def _run_cluster(args: argparse.Namespace) -> int:
+    from tokenloom.errors import ConfigError
+    from tokenloom.router.app import build_router_app
+    from tokenloom.router.cluster import LocalWorkers
+    from tokenloom.router.server import run_app
+
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1 (got {args.workers})")
+    if args.prefill_workers < 0:
+        raise ConfigError(f"--prefill-workers must be >= 0 (got {args.prefill_workers})")
+    total = args.workers + args.prefill_workers
+    ports = args.worker_ports or [None] * total
+    if len(ports) != total:
+        raise ConfigError(f"--worker-ports: {len(ports)} ports given for {total} workers")
+    if args.port in ports:
+        raise ConfigError(f"--port {args.port} is also in --worker-ports")
+    roles: list[list[str]] = [[]] * args.workers
+    if args.prefill_workers:
+        roles = [["--role", "decode", "--kv-host", args.worker_host]] * args.workers + \
+                [["--role", "prefill"]] * args.prefill_workers
+    workers = LocalWorkers(ports, args.worker_host, worker_argv(args), roles)
+    urls = workers.urls
+    # Bad router flags fail before any worker starts.
+    config = _config(args, urls[:args.workers], urls[args.workers:])
+    logging.getLogger("tokenloom.router").setLevel(logging.INFO)
+    try:
+        workers.start(args.startup_timeout)
+        print(f"tokenloom cluster: router on http://{args.host}:{args.port} -> {', '.join(workers.urls)}",
+              file=sys.stderr, flush=True)
+        run_app(build_router_app(config), args.host, args.port, args.graceful_timeout, args.verbose)
+    finally:
+        workers.stop(args.graceful_timeout + 5.0)
+    return 0
