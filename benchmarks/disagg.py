@@ -9,13 +9,16 @@ and runs the same mixed workload of long prompts and long generations against ea
 serve --dataset random`: prompt and output lengths drawn in len * (1 +- ratio)).
 
     python benchmarks/disagg.py [--input-len 1024] [--output-len 128] [--ratio 0.8] [--concurrency 4]
-                                [--num-prompts 24] [--out results/disagg]
+                                [--num-prompts 24] [--runs 3] [--out results/disagg]
+
+With --runs N the two set-ups take turns N times and the table shows each figure's median.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -50,10 +53,19 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--num-prompts", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", type=int, default=1, help="turns of both set-ups; medians are shown")
     ap.add_argument("--out", type=Path, default=Path("results/disagg"))
     a = ap.parse_args()
-    colocated = run("colocated", ["--workers", "2"], a)
-    split = run("split", ["--workers", "1", "--prefill-workers", "1"], a)
+    points: dict[str, list[dict]] = {"colocated": [], "split": []}
+    for i in range(a.runs):
+        points["colocated"].append(run(f"colocated-{i}", ["--workers", "2"], a))
+        points["split"].append(run(f"split-{i}", ["--workers", "1", "--prefill-workers", "1"], a))
+
+    def median(label: str, key: str) -> float | None:
+        xs = [p[key] for p in points[label] if p.get(key) is not None]
+        return statistics.median(xs) if xs else None
+
+    print(f"\n{a.runs} run(s) each, medians:")
     print(f"\n| mixed: prompts {a.input_len} +- {a.ratio:.0%}, outputs {a.output_len} +- {a.ratio:.0%}, "
           f"concurrency {a.concurrency} | colocated (2 x both) | split (1 prefill + 1 decode) | split / colocated |")
     print("|---|---:|---:|---:|")
@@ -61,7 +73,7 @@ def main() -> None:
             ("TPOT median (s)", "tpot_s_median"), ("TPOT p95 (s)", "tpot_s_p95"), ("TPOT p99 (s)", "tpot_s_p99"),
             ("E2E p95 (s)", "e2el_s_p95"), ("output tok/s", "output_throughput"))
     for label, key in rows:
-        x, y = colocated.get(key), split.get(key)
+        x, y = median("colocated", key), median("split", key)
         if x is None or y is None:
             continue
         print(f"| {label} | {x:.3f} | {y:.3f} | {y / x:.2f}x |")

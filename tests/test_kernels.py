@@ -90,6 +90,32 @@ def test_paged_decode_matches_reference(dtype: torch.dtype, head_dim: int, hq: i
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("int8", [False, True])
+def test_write_kv_is_bit_identical_to_the_cache_write(dtype: torch.dtype, int8: bool) -> None:
+    torch.manual_seed(5)
+    shape = (12, 4, 3, 64)  # (num_blocks, block_size, Hkv, D)
+    slots = torch.randperm(48)[:21]
+    # Rows of very different ranges, an all-zero head and exact ties at half a step.
+    k = (torch.randn(21, 3, 64) * torch.logspace(-3, 2, 21)[:, None, None]).to(dtype)
+    v = torch.randn(21, 3, 64).to(dtype)
+    k[4, 1] = 0
+    v[7, 0, :3] = torch.tensor([127.0, 0.5, -1.5])
+    want = LayerKVCache.allocate(shape[0], shape[1], shape[2], shape[3], dtype, int8, torch.device("cpu"))
+    got = LayerKVCache.allocate(shape[0], shape[1], shape[2], shape[3], dtype, int8, torch.device("cpu"))
+    want_k, want_v = want.write(k, v, slots)
+    if int8:
+        got_k, got_v = K.write_kv_int8(k, v, got.k, got.v, got.k_scale, got.v_scale, slots)
+        torch.testing.assert_close(got_k, want_k, rtol=0, atol=0)
+        torch.testing.assert_close(got_v, want_v, rtol=0, atol=0)
+    else:
+        K.write_kv(k, v, got.k, got.v, slots)
+    for a, b in zip(got.tensors(), want.tensors()):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="out of range"):
+        K.write_kv(k[:1], v[:1], got.k, got.v, torch.tensor([48]))
+
+
 def test_paged_decode_rejects_int8_cache_without_scales() -> None:
     kv = LayerKVCache.allocate(4, 4, 2, 64, torch.float32, True, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="scales go with an int8 cache"):

@@ -92,7 +92,7 @@ class SDPABackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        k, v = kv.write(k, v, meta.slot_mapping)  # as the cache holds them (INT8 round trip)
+        k, v = self.write_kv(kv, k, v, meta.slot_mapping)  # as the cache holds them (INT8 round trip)
         plan: _Plan = meta.plan
         if plan is None:
             plan = meta.plan = self.plan(meta, q.device, sliding_window)
@@ -117,6 +117,11 @@ class SDPABackend(AttentionBackend):
             )
             out[p.start : p.end] = op.squeeze(0).transpose(0, 1)
         return out
+
+    def write_kv(self, kv: LayerKVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens' K/V (T, Hkv, D); returns them as the cache holds them."""
+        return kv.write(k, v, slot_mapping)
 
     def decode(
         self, q: torch.Tensor, kv: LayerKVCache, plan: _Plan, scale: float, sliding_window: int | None,

@@ -1,9 +1,10 @@
 """Builds and loads the C++ CPU kernels (csrc/) with torch's JIT extension loader, once per machine.
 
-Kernels: paged decode attention, residual add + RMSNorm, SiLU-and-mul, rotary embedding, few-row bf16
-matmul (decode and speculative verification steps); and, in a module of their own
-(`load_quant_kernels`), the weight-only int8 / int4 matmuls of tokenloom/quant. Each has a
-pure-torch twin (models/layers.py, attention/sdpa.py) that is the test oracle and the path on CUDA.
+Kernels: paged decode attention, KV cache writes (INT8: quantized on the way), residual add + RMSNorm,
+SiLU-and-mul, rotary embedding, few-row bf16 matmul (decode and speculative verification steps);
+and, in a module of their own (`load_quant_kernels`), the weight-only int8 / int4 matmuls of
+tokenloom/quant. Each has a pure-torch twin (models/layers.py, attention/sdpa.py, attention/paged_kv.py,
+quant/linear.py) that is the test oracle and the path on CUDA.
 
 The first load compiles (about a minute on 2 cores) into torch's extension cache; later loads take
 milliseconds. When no compiler is available the loader returns None and callers use the torch path.
@@ -28,7 +29,8 @@ def load_cpu_kernels() -> ModuleType | None:
 
         return load(
             name="tokenloom_cpu_kernels",
-            sources=[str(_CSRC / f) for f in ("bindings.cpp", "paged_decode.cpp", "elementwise.cpp", "skinny_gemm.cpp")],
+            sources=[str(_CSRC / f) for f in ("bindings.cpp", "paged_decode.cpp", "kv_write.cpp", "elementwise.cpp",
+                                                  "skinny_gemm.cpp")],
             # -march=native: built on the machine that runs it. -fno-math-errno lets exp() vectorise.
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
             extra_ldflags=["-fopenmp"],

@@ -134,7 +134,8 @@ def _run_cluster(args: argparse.Namespace) -> int:
     logging.getLogger("tokenloom.router").setLevel(logging.INFO)
     try:
         workers.start(args.startup_timeout)
-        print(f"tokenloom cluster: router on http://{args.host}:{args.port} -> {', '.join(workers.urls)}",
+        split = f" (prefill: {', '.join(urls[args.workers:])})" if args.prefill_workers else ""
+        print(f"tokenloom cluster: router on http://{args.host}:{args.port} -> {', '.join(urls[:args.workers])}{split}",
               file=sys.stderr, flush=True)
         run_app(build_router_app(config), args.host, args.port, args.graceful_timeout, args.verbose)
     finally:

@@ -10,12 +10,19 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots);
+std::tuple<at::Tensor, at::Tensor> write_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
+                                                 at::Tensor v_cache, at::Tensor k_scale, at::Tensor v_scale,
+                                                 const at::Tensor& slots);
 void rotary_inplace(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 bool skinny_available();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention, one query per sequence; int8 caches with float16 scales");
+  m.def("write_kv", &write_kv, "new K and V (T, Hkv, D) into their cache slots");
+  m.def("write_kv_int8", &write_kv_int8, "new K and V quantized into an int8 cache with per-(token, head) float16 "
+        "scales; returns the dequantized K and V");
   m.def("add_rms_norm", &add_rms_norm, "optional residual add + RMSNorm; returns (normed, new residual)");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation: silu(gate) * up");
   m.def("rotary_inplace", &rotary_inplace, "neox rotary embedding applied in place to q and k");
