@@ -106,7 +106,8 @@ def test_kill_one_of_three_under_load(three_workers: list[WorkerProcess]) -> Non
                 # Long non-streaming requests: they send nothing until done, so a kill leaves them unstarted.
                 whole = [asyncio.create_task(_whole(c, i, 600)) for i in range(6)]
                 deadline = time.monotonic() + 60
-                while pool.workers[0].outstanding < 4 and time.monotonic() < deadline:
+                # Until every request reached its worker (the tasks start in turn, not at once).
+                while sum(w.outstanding for w in pool.workers) < 12 and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
                 assert [w.outstanding for w in pool.workers] == [4, 4, 4]  # round robin: 2 + 2 each
                 victim.kill()
