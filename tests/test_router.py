@@ -10,6 +10,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from fastapi import Request
+
 from router_helpers import FakeWorker, router_metrics, start_router
 from tokenloom.bench.client import free_port
 from tokenloom.errors import ConfigError
@@ -373,3 +375,52 @@ def test_router_command_serves_and_exits_zero_on_sigterm(fakes: list[FakeWorker]
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _split_fakes() -> tuple[object, list[object], list[list[str]]]:
+    """A fake decode worker (with a KV address) and two fake prefill workers that log the prompts sent."""
+    from fastapi import FastAPI
+
+    from router_helpers import ThreadServer
+
+    decode = FastAPI()
+    decode.get("/health")(lambda: {"status": "ok", "role": "decode", "kv_address": "tcp://127.0.0.1:1"})
+    decode.post("/v1/completions")(lambda: {"choices": [{"text": "ok"}]})
+    seen: list[list[str]] = [[], []]
+    prefills = []
+    for i in range(2):
+        app = FastAPI()
+        app.get("/health")(lambda: {"status": "ok", "role": "prefill"})
+
+        def handler(log: list[str]):  # type: ignore[no-untyped-def]
+            async def prefill(request: Request) -> dict[str, int]:
+                body = await request.json()
+                log.append(body["request"]["prompt"] if body["kv_target"] == "tcp://127.0.0.1:1" else "wrong target")
+                return {"bytes": 100}
+            return prefill
+
+        app.post("/internal/kv/prefill")(handler(seen[i]))
+        prefills.append(ThreadServer(app))
+    return ThreadServer(decode), prefills, seen
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
+def test_prefill_worker_choice_follows_the_policy(policy: str) -> None:
+    decode, prefills, seen = _split_fakes()
+    router = start_router([decode.url], prefill_workers=tuple(p.url for p in prefills), policy=policy)  # type: ignore[attr-defined]
+    try:
+        prompts = ["A" * 300 + " first question", "B" * 300 + " other", "A" * 300 + " second question",
+                   "A" * 300 + " third question"]
+        for p in prompts:
+            r = httpx.post(router.url + "/v1/completions", json={"model": "m", "prompt": p}, timeout=30)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
+        assert sorted(len(s) for s in seen) == ([1, 3] if policy == "cache_aware" else [2, 2]), seen
+        if policy == "cache_aware":  # every "A..." prompt went to the prefill worker that has its prefix
+            assert all(p.startswith("A") for p in max(seen, key=len))
+        m = router_metrics(router)
+        assert sum(v for k, v in m.items() if k.startswith("tokenloom:router_kv_prefills_total") and "outcome=ok" in k) == 4
+    finally:
+        router.close()
+        decode.close()  # type: ignore[attr-defined]
+        for p in prefills:
+            p.close()  # type: ignore[attr-defined]

@@ -46,7 +46,7 @@ def build_router_app(config: RouterConfig, metrics: RouterMetrics | None = None)
         # connections: each outstanding stream holds one, and the workers' own queues bound the load.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            prefill = (PrefillStage(prefill_pool, client, metrics, config.kv_transfer_timeout)
+            prefill = (PrefillStage(prefill_pool, client, metrics, config.kv_transfer_timeout, make_policy(config))
                        if prefill_pool.workers else None)
             app.state.proxy = Proxy(config, pool, policy, metrics, client, prefill)
             pools = (pool, prefill_pool)

@@ -20,7 +20,8 @@ import httpx
 
 from tokenloom.router import metrics as m
 from tokenloom.router.metrics import RouterMetrics
-from tokenloom.router.policies import LeastOutstanding
+from tokenloom.router.policies import Policy
+from tokenloom.router.prefix import RoutingKey
 from tokenloom.router.workers import Worker, WorkerPool
 
 log = logging.getLogger("tokenloom.router")
@@ -32,17 +33,22 @@ OK, FAILED, REJECTED, SKIPPED = "ok", "failed", "rejected", "skipped"
 
 
 class PrefillStage:
-    """Chooses a prefill worker (fewest prefills in flight) and has it fill a decode worker's cache."""
+    """Chooses a prefill worker by the router's policy (its own instance: with cache_aware, a shared prompt
+    prefix goes back to the prefill worker whose prefix cache holds it) and has it fill a decode worker's
+    cache."""
 
-    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, metrics: RouterMetrics, timeout: float) -> None:
+    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, metrics: RouterMetrics, timeout: float,
+                 policy: Policy) -> None:
         self.pool = pool
         self.client = client
         self.metrics = metrics
         self.timeout = timeout  # seconds the KV transfer itself may take (the prefill worker's ZeroMQ send)
-        self._choose = LeastOutstanding()
+        self.policy = policy
 
-    async def run(self, endpoint: str, body: bytes, decode: Worker, headers: Mapping[str, str]) -> str:
-        """Prefill `body` (the client's request to `endpoint`) into `decode`'s cache; returns the outcome."""
+    async def run(self, endpoint: str, body: bytes, decode: Worker, headers: Mapping[str, str],
+                  key: RoutingKey = ()) -> str:
+        """Prefill `body` (the client's request to `endpoint`) into `decode`'s cache; returns the outcome.
+        `key`: the request's routing key (prefix.py), when the policy uses one."""
         candidates = self.pool.available()
         if decode.kv_address is None or not candidates:
             # A `--role both` decode worker has no receiver, or no prefill worker is up: decode prefills.
@@ -54,7 +60,7 @@ class PrefillStage:
             return SKIPPED  # the decode worker answers the malformed body with its own 400
         if not isinstance(request, dict):
             return SKIPPED
-        worker = self._choose.choose(candidates, ())
+        worker = self.policy.choose(candidates, key)
         payload = {"endpoint": endpoint, "request": request, "kv_target": decode.kv_address, "timeout": self.timeout}
         auth = {k: v for k, v in headers.items() if k.lower() in ("authorization", "x-request-id")}
         self.pool.acquire(worker)

@@ -27,7 +27,7 @@ from tokenloom.router.config import RouterConfig
 from tokenloom.router.disagg import PD_ENDPOINTS, PrefillStage
 from tokenloom.router.metrics import RouterMetrics
 from tokenloom.router.policies import Policy
-from tokenloom.router.prefix import prompt_text, routing_key
+from tokenloom.router.prefix import RoutingKey, prompt_text, routing_key
 from tokenloom.router.replies import NDJSON, SSE, error_reply, stream_error
 from tokenloom.router.workers import Worker, WorkerPool
 
@@ -98,7 +98,7 @@ class Proxy:
                 self.metrics.retries.labels(previous.url).inc()
             worker = self.policy.choose(candidates, key)
             tried.add(worker.url)
-            outcome = await self._try(worker, request.method, path, body, headers, split)
+            outcome = await self._try(worker, request.method, path, body, headers, split, key)
             if isinstance(outcome, Response):
                 return outcome
             failures.append(outcome)
@@ -118,13 +118,13 @@ class Proxy:
         return error_reply(path, NoHealthyWorker("no healthy worker"))
 
     async def _try(self, worker: Worker, method: str, path: str, body: bytes,
-                   headers: dict[str, str], split: bool) -> Response | Failure:
+                   headers: dict[str, str], split: bool, key: RoutingKey) -> Response | Failure:
         self.pool.acquire(worker)
         handed_off = False
         try:
             if split and self.prefill is not None:
                 # Whatever the outcome, the decode worker answers: a failed prefill only costs it the prompt.
-                await self.prefill.run(path, body, worker, headers)
+                await self.prefill.run(path, body, worker, headers, key)
             outcome = await self._send(worker, method, path, body, headers, time.monotonic())
             handed_off = isinstance(outcome, ProxiedStream)  # the stream releases the worker when it ends
             return outcome
