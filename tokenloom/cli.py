@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from dataclasses import fields
 
@@ -88,11 +85,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from tokenloom.engine.async_engine import AsyncLLMEngine
     from tokenloom.serve.app import build_app
     from tokenloom.serve.metrics import ServingMetrics
+    from tokenloom.serve.server import run_app
 
     config = engine_config(args)
     if args.role != "both" and not config.enable_prefix_caching:
@@ -113,28 +109,8 @@ def _serve(args: argparse.Namespace) -> int:
         receiver = KVReceiver(engine, args.kv_host or args.host, args.kv_port).start()
         print(f"KV receiver on {receiver.address}", file=sys.stderr)
     app = build_app(engine, name, args.api_key, metrics, args.role, receiver.address if receiver else None)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.graceful_timeout,
-                                           log_level="info" if args.verbose else "warning"))
-
-    @contextlib.contextmanager
-    def graceful_signals() -> Iterator[None]:
-        # SIGTERM / SIGINT: stop accepting, let in-flight responses finish (streams past
-        # --graceful-timeout are cancelled, which aborts their requests), then exit 0. uvicorn's own
-        # handler would re-raise the signal afterwards and end the process with -15.
-        def stop(signum: int, frame: object) -> None:
-            server.force_exit = server.should_exit  # a second signal skips the wait
-            server.should_exit = True
-
-        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    server.capture_signals = graceful_signals  # type: ignore[method-assign]
     try:
-        server.run()
+        run_app(app, args.host, args.port, args.graceful_timeout, args.verbose)
     finally:
         if receiver is not None:
             receiver.close()

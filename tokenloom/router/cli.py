@@ -75,7 +75,7 @@ def add_cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
 
 def _run_router(args: argparse.Namespace) -> int:
     from tokenloom.router.app import build_router_app
-    from tokenloom.router.server import run_app
+    from tokenloom.serve.server import run_app
 
     config = _config(args, args.worker, args.prefill_worker)
     logging.getLogger("tokenloom.router").setLevel(logging.INFO)  # workers going out and coming back
@@ -111,7 +111,7 @@ def _run_cluster(args: argparse.Namespace) -> int:
     from tokenloom.errors import ConfigError
     from tokenloom.router.app import build_router_app
     from tokenloom.router.cluster import LocalWorkers
-    from tokenloom.router.server import run_app
+    from tokenloom.serve.server import run_app
 
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1 (got {args.workers})")

@@ -10,17 +10,26 @@
 #include <algorithm>
 #include <cmath>
 #include <tuple>
+#include <utility>
 
 #include "dtype.h"
 
 namespace {
 
-void check_slots(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& slots, int64_t num_slots) {
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "kv write: new K/V must be contiguous (T, Hkv, D)");
-  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() && cache.size(2) == x.size(1) && cache.size(3) == x.size(2),
-              "kv write: cache (num_blocks, block_size, Hkv, D) must match the new K/V");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == x.size(0),
+// k, v (T, Hkv, D) against a cache (num_blocks, block_size, Hkv, D), and every slot in range (once).
+void check_inputs(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& slots) {
+  for (const auto& [x, cache] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
+    TORCH_CHECK(x->dim() == 3 && x->is_contiguous(), "kv write: new K/V must be contiguous (T, Hkv, D)");
+    TORCH_CHECK(cache->dim() == 4 && cache->is_contiguous() && cache->size(2) == x->size(1) &&
+                    cache->size(3) == x->size(2),
+                "kv write: cache (num_blocks, block_size, Hkv, D) must match the new K/V");
+  }
+  TORCH_CHECK(k.sizes() == v.sizes() && k_cache.sizes() == v_cache.sizes(), "kv write: K and V shapes differ");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == k.size(0) &&
+                  slots.is_contiguous(),
               "kv write: one int64 slot per token");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* s = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < slots.size(0); ++t)
     TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, "kv write: slot ", s[t], " out of range");
@@ -59,9 +68,7 @@ void copy_rows(const scalar_t* x, scalar_t* cache, const int64_t* slots, int64_t
 
 // k, v (T, Hkv, D) -> k_cache, v_cache at `slots`; all in the model dtype.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots) {
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  check_slots(k, k_cache, slots, num_slots);
-  check_slots(v, v_cache, slots, num_slots);
+  check_inputs(k, v, k_cache, v_cache, slots);
   TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
               "write_kv: new K/V and cache dtypes differ");
   const int64_t T = k.size(0), row = k.size(1) * k.size(2);
@@ -76,9 +83,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
 std::tuple<at::Tensor, at::Tensor> write_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                                                  at::Tensor v_cache, at::Tensor k_scale, at::Tensor v_scale,
                                                  const at::Tensor& slots) {
+  check_inputs(k, v, k_cache, v_cache, slots);
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  check_slots(k, k_cache, slots, num_slots);
-  check_slots(v, v_cache, slots, num_slots);
   TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar, "write_kv_int8: int8 caches");
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "write_kv_int8: K and V dtypes differ");
   for (const at::Tensor& s : {k_scale, v_scale})

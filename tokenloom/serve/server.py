@@ -1,4 +1,5 @@
-"""Running an ASGI app under uvicorn until SIGTERM / SIGINT, with a graceful drain and exit status 0."""
+"""Running an ASGI app (a worker's or the router's) under uvicorn until SIGTERM / SIGINT, with a graceful
+drain and exit status 0."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ def run_app(app: FastAPI, host: str, port: int, graceful_timeout: float, verbose
 
     @contextlib.contextmanager
     def graceful_signals() -> Iterator[None]:
-        # uvicorn's own handler re-raises the signal after shutdown, which would end the process before
-        # the caller's clean-up (`tokenloom cluster` stopping its workers) and with status -15.
+        # SIGTERM / SIGINT: stop accepting, let in-flight responses finish (streams past
+        # `graceful_timeout` are cancelled, which aborts their requests), then return. uvicorn's own
+        # handler would re-raise the signal after shutdown, ending the process before the caller's
+        # clean-up (a KV receiver, `tokenloom cluster`'s workers) and with status -15.
         def stop(signum: int, frame: object) -> None:
             server.force_exit = server.should_exit  # a second signal skips the drain
             server.should_exit = True
