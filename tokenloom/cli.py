@@ -27,6 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget per step")
     g.add_argument("--attention-backend", default=d.attention_backend, choices=list(BACKENDS),
                    help="auto: C++ paged kernel on CPU (sdpa if it cannot build), sdpa on CUDA")
+    g.add_argument("--fused-decode", default=d.fused_decode, action=argparse.BooleanOptionalAction,
+                   help="cpu backend: run a pure decode step's layers in one C++ call (same results as the "
+                        "layer-by-layer Python path, which --no-fused-decode forces)")
     g.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantization of the decoder's linear layers at load (CPU, bfloat16)")
     g.add_argument("--quant-group-size", type=int, default=d.quant_group_size, help="int4 group size")

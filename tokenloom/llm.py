@@ -20,7 +20,8 @@ class LLM:
     """Loads a model once and generates for many prompts with continuous batching.
 
     Keyword arguments are `EngineConfig` fields: dtype, block_size, kv_cache_memory, max_model_len,
-    max_num_seqs, max_num_batched_tokens, attention_backend, enable_prefix_caching, seed, num_threads, device.
+    max_num_seqs, max_num_batched_tokens, attention_backend, fused_decode, quantization, kv_cache_dtype,
+    enable_prefix_caching, speculative, seed, num_threads, device.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

@@ -16,6 +16,7 @@ import torch
 from tokenloom.attention.base import get_backend
 from tokenloom.attention.cpu import CPUBackend
 from tokenloom.config import EngineConfig
+from tokenloom.engine.fused_decode import build_fused_decoder
 from tokenloom.engine.kv_cache import KVCacheSpec, allocate_kv_cache, plan_capacity
 from tokenloom.engine.kv_cache_manager import KVCacheManager
 from tokenloom.engine.output_processor import append_tokens, take_delta
@@ -115,7 +116,9 @@ class LLMEngine:
                                       draft_spec.bytes_per_block if draft_spec else 0)
         self.kv = KVCacheManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching)
         kv_tensors = allocate_kv_cache(spec, self.capacity.num_blocks, self.device)
-        self.runner = ModelRunner(self.loaded.model, kv_tensors, config.block_size, self.backend, self.device)
+        fused = (build_fused_decoder(self.backend.kernels, self.loaded.model, kv_tensors, self.device)
+                 if config.fused_decode and isinstance(self.backend, CPUBackend) else None)
+        self.runner = ModelRunner(self.loaded.model, kv_tensors, config.block_size, self.backend, self.device, fused)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
         )

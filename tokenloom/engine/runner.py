@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenloom.attention.base import AttentionBackend, AttentionMetadata
+from tokenloom.engine.fused_decode import FusedDecoder
 from tokenloom.engine.scheduler import ScheduledBatch
 from tokenloom.models.llama import KVCache, LlamaForCausalLM
 
@@ -27,9 +28,11 @@ class ModelRunner:
         block_size: int,
         backend: AttentionBackend,
         device: torch.device,
+        fused: FusedDecoder | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.fused = fused  # serves this model's all-decode steps (not the draft's)
         self.block_size = block_size
         self.backend = backend
         self.device = device
@@ -61,7 +64,11 @@ class ModelRunner:
         # On CPU, oneDNN wins every matmul with 2+ rows, but a single-row matmul (one decoding
         # sequence) streams weights ~1.7x faster through ATen's own GEMV kernel.
         with _onednn(self.device.type != "cpu" or input_ids.numel() > 1):
-            hidden = model(input_ids, positions, kv_caches, meta)  # (T, hidden)
+            if (self.fused is not None and model is self.model and kv_caches is self.kv_caches
+                    and getattr(meta.plan, "all_decode", False)):
+                hidden = self.fused.forward(input_ids, positions, meta)  # the same values, one C++ call
+            else:
+                hidden = model(input_ids, positions, kv_caches, meta)  # (T, hidden)
             if not token_idx:
                 return None
             idx = torch.tensor(token_idx, device=self.device)

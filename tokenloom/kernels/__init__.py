@@ -1,13 +1,15 @@
 """Builds and loads the C++ CPU kernels (csrc/) with torch's JIT extension loader, once per machine.
 
 Kernels: paged decode attention, KV cache writes (INT8: quantized on the way), residual add + RMSNorm,
-SiLU-and-mul, rotary embedding, few-row bf16 matmul (decode and speculative verification steps);
-and, in a module of their own (`load_quant_kernels`), the weight-only int8 / int4 matmuls of
-tokenloom/quant. Each has a pure-torch twin (models/layers.py, attention/sdpa.py, attention/paged_kv.py,
-quant/linear.py) that is the test oracle and the path on CUDA.
+SiLU-and-mul, rotary embedding, few-row bf16 matmul (decode and speculative verification steps), the
+weight-only int8 / int4 matmuls of tokenloom/quant, and the decode stack that calls them all for a whole
+decode step (csrc/decode_stack.cpp, engine/fused_decode.py). Each has a pure-torch twin
+(models/layers.py, attention/sdpa.py, attention/paged_kv.py, quant/linear.py, the Python model) that is
+the test oracle and the path on CUDA.
 
-The first load compiles (about a minute on 2 cores) into torch's extension cache; later loads take
-milliseconds. When no compiler is available the loader returns None and callers use the torch path.
+All sources build into one module: the first load compiles (about two minutes on 2 cores) into torch's
+extension cache; later loads take milliseconds. When no compiler is available the loader returns None
+and callers use the torch path.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ log = logging.getLogger("tokenloom.kernels")
 _CSRC = Path(__file__).parent / "csrc"
 
 
+_SOURCES = ("bindings.cpp", "paged_decode.cpp", "kv_write.cpp", "elementwise.cpp", "skinny_gemm.cpp",
+            "quant_gemm.cpp", "decode_stack.cpp")
+
+
 @functools.cache
 def load_cpu_kernels() -> ModuleType | None:
     try:
@@ -29,8 +35,7 @@ def load_cpu_kernels() -> ModuleType | None:
 
         return load(
             name="tokenloom_cpu_kernels",
-            sources=[str(_CSRC / f) for f in ("bindings.cpp", "paged_decode.cpp", "kv_write.cpp", "elementwise.cpp",
-                                                  "skinny_gemm.cpp")],
+            sources=[str(_CSRC / f) for f in _SOURCES],
             # -march=native: built on the machine that runs it. -fno-math-errno lets exp() vectorise.
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
             extra_ldflags=["-fopenmp"],
@@ -43,20 +48,11 @@ def load_cpu_kernels() -> ModuleType | None:
 
 @functools.cache
 def load_quant_kernels() -> ModuleType | None:
-    """The int8 / int4 weight-only matmuls (csrc/quant_gemm.cpp), or None when they cannot be built or
-    the CPU lacks AVX512-BF16 (the quantized layers then fall back to dequantize + F.linear)."""
-    try:
-        from torch.utils.cpp_extension import load
-
-        mod = load(
-            name="tokenloom_quant_kernels",
-            sources=[str(_CSRC / f) for f in ("quant_bindings.cpp", "quant_gemm.cpp")],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as e:  # a missing compiler must not stop the engine
-        log.warning("quantized matmul kernels unavailable (%s); quantized layers dequantize per call", e)
+    """The kernel module when it has the int8 / int4 weight-only matmuls (csrc/quant_gemm.cpp), or None
+    when it cannot be built or the CPU lacks AVX512-BF16 (the quantized layers then fall back to
+    dequantize + F.linear)."""
+    mod = load_cpu_kernels()
+    if mod is None:
         return None
     if not mod.quant_available():
         log.warning("quantized matmul kernels need AVX512-BF16; quantized layers dequantize per call")

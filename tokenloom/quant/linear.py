@@ -47,16 +47,22 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16).contiguous())
 
     @classmethod
-    def _load_kernels(cls) -> ModuleType | None:
+    def kernel_module(cls) -> ModuleType | None:
+        """The C++ module with the quantized matmuls (loaded on first use), or None: the torch path."""
         if not QuantLinear._kernels_checked:
             QuantLinear.kernels = load_quant_kernels()
             QuantLinear._kernels_checked = True
         return QuantLinear.kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The common case first and lean: a decode step calls this ~120 times.
+        if x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_cpu:
+            k = self.kernel_module()
+            if k is not None:
+                return k.quant_linear(x, self.codes, self.scales, self.mins, self.bits, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(self.dtype)
-        k = self._load_kernels() if x2.is_cpu else None
+        k = self.kernel_module() if x2.is_cpu else None
         if k is not None:
             y = k.quant_linear(x2, self.codes, self.scales, self.mins, self.bits, self.bias)
         else:

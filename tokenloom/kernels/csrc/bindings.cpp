@@ -17,6 +17,10 @@ std::tuple<at::Tensor, at::Tensor> write_kv_int8(const at::Tensor& k, const at::
 void rotary_inplace(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 bool skinny_available();
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias);
+bool quant_available();
+void bind_decode_stack(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention, one query per sequence; int8 caches with float16 scales");
@@ -28,4 +32,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, "neox rotary embedding applied in place to q and k");
   m.def("skinny_linear", &skinny_linear, "x @ w.T (+ bias) for 1..8 bfloat16 rows, weights streamed once");
   m.def("skinny_available", &skinny_available, "whether skinny_linear has its AVX512-BF16 fast path");
+  m.def("quant_linear", &quant_linear,
+        "x @ dequant(W).T (+ bias): bfloat16 x (M, K), int8 (N, K) or int4 (N, K/2) codes, float16 scales (N, G) "
+        "and int4 mins (N, G)");
+  m.def("quant_available", &quant_available, "whether the AVX512-BF16 quantized matmuls were compiled in");
+  bind_decode_stack(m);
 }
