@@ -82,6 +82,14 @@ inline __m512 dp(__m512 acc, const c10::BFloat16* x, __m512i v) {
 
 inline float half_to_float(at::Half h) { return _cvtsh_ss(h.x); }
 
+// A float16 scale broadcast to 16 floats: broadcast the 16 bits, then convert the vector (two
+// instructions; converting the scalar first and broadcasting it takes four, once per chunk and row).
+inline __m512 scale_all(const at::Half* d) {
+  int16_t bits;
+  std::memcpy(&bits, d, 2);
+  return _mm512_cvtph_ps(_mm256_set1_epi16(bits));
+}
+
 // [dA, dB, dA, dB, ...] from two consecutive float16 scales.
 inline __m512 scale_pair(const at::Half* d) {
   int32_t two;
@@ -138,13 +146,13 @@ __attribute__((always_inline)) inline void dot_rows(const QWeight& w, int64_t n0
     for (int r = 0; r < NR; ++r) {
       __m512 dv = _mm512_setzero_ps();
       if constexpr (MODE == kPairs) dv = scale_pair(ds[r] + 2 * c);
-      if constexpr (MODE == kGroups) dv = _mm512_set1_ps(half_to_float(ds[r][c >> shift]));
+      if constexpr (MODE == kGroups) dv = scale_all(ds[r] + (c >> shift));
       chunk(c, r, dv);
     }
   }
   if (full < nchunks) {
 #pragma GCC unroll 4
-    for (int r = 0; r < NR; ++r) chunk(full, r, _mm512_set1_ps(half_to_float(ds[r][2 * full])));
+    for (int r = 0; r < NR; ++r) chunk(full, r, scale_all(ds[r] + 2 * full));
   }
 #pragma GCC unroll 4
   for (int r = 0; r < NR; ++r) {
@@ -303,16 +311,44 @@ void tiled(const QWeight& w, int64_t M, const c10::BFloat16* xp, int64_t Kp, con
   });
 }
 
-// x (M, K) -> xp (M, Kp) in kernel order, zero-padded.
+// x (M, K) -> xp (M, Kp) in kernel order, zero-padded: one two-source permute per 64-input chunk.
 void permute_x(const c10::BFloat16* x, int64_t M, int64_t K, int64_t Kp, c10::BFloat16* xp) {
-  int64_t src[64];
-  for (int64_t p = 0; p < 64; ++p) src[p] = chunk_input(p);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = 0; c < Kp; c += 64)
-      for (int64_t p = 0; p < 64; ++p) {
-        const int64_t k = c + src[p];
-        xp[m * Kp + c + p] = k < K ? x[m * K + k] : c10::BFloat16(0.f);
-      }
+  alignas(64) int16_t src[64];
+  for (int p = 0; p < 64; ++p) src[p] = static_cast<int16_t>(chunk_input(p));
+  const __m512i idx_lo = _mm512_load_si512(src), idx_hi = _mm512_load_si512(src + 32);
+  for (int64_t m = 0; m < M; ++m) {
+    const c10::BFloat16* xr = x + m * K;
+    for (int64_t c = 0; c < Kp; c += 64) {
+      auto load = [&](int64_t off) {  // 32 inputs from c + off, zeros past K
+        const int64_t n = std::clamp<int64_t>(K - c - off, 0, 32);
+        return _mm512_maskz_loadu_epi16(n == 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1, xr + c + off);
+      };
+      const __m512i a = load(0), b = load(32);
+      _mm512_storeu_si512(xp + m * Kp + c, _mm512_permutex2var_epi16(a, idx_lo, b));
+      _mm512_storeu_si512(xp + m * Kp + c + 32, _mm512_permutex2var_epi16(a, idx_hi, b));
+    }
+  }
+}
+
+// Per row and group of g inputs (g a multiple of 32), the float32 sum of x: (M, Gp), zero-padded.
+void group_sums(const c10::BFloat16* x, int64_t M, int64_t K, int64_t g, int64_t Gp, float* out) {
+  std::fill(out, out + M * Gp, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const c10::BFloat16* xr = x + m * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      const __m512i v = _mm512_loadu_si512(xr + k);  // 32 bf16 -> two float vectors
+      const __m512 s = _mm512_add_ps(bf16_lo_to_ps(v), bf16_hi_to_ps(v));
+      out[m * Gp + k / g] += _mm512_reduce_add_ps(s);
+    }
+  }
+}
+
+// Scratch that lives as long as the calling thread: a decode step calls this ~120 times, and two
+// tensor allocations per call cost as much as the permute itself.
+template <typename T>
+T* scratch(std::vector<T>& buf, int64_t n) {
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
 }
 
 #endif  // TOKENLOOM_QGEMM
@@ -355,25 +391,22 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   if (M == 0 || N == 0) return y;
 #ifdef TOKENLOOM_QGEMM
   const at::Tensor xc = x.contiguous();
-  at::Tensor xp = at::empty({M, Kp}, x.options());
-  permute_x(xc.data_ptr<c10::BFloat16>(), M, K, Kp, xp.data_ptr<c10::BFloat16>());
+  thread_local std::vector<c10::BFloat16> xp_buf;
+  thread_local std::vector<float> xsum_buf;
+  c10::BFloat16* xpp = scratch(xp_buf, M * Kp);
+  permute_x(xc.data_ptr<c10::BFloat16>(), M, K, Kp, xpp);
   QWeight w{static_cast<const uint8_t*>(codes.data_ptr()), codes.size(1), scales.data_ptr<at::Half>(),
             bits == 4 ? mins->data_ptr<at::Half>() : nullptr, N, K, G, g};
-  const auto* xpp = xp.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
   if (M > kMaxSkinnyRows) {
     if (bits == 4) tiled<4>(w, M, xpp, Kp, b, yp);
     else tiled<8>(w, M, xpp, Kp, b, yp);
     return y;
   }
-  at::Tensor xsum;
   const float* xs = nullptr;
-  if (bits == 4) {  // float32 sums of the bf16 values per group: (M, Gp), zero-padded
-    xsum = at::zeros({M, Gp}, x.options().dtype(at::kFloat));
-    float* o = xsum.data_ptr<float>();
-    const auto* xr = xc.data_ptr<c10::BFloat16>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) o[m * Gp + k / g] += to_float(xr[m * K + k]);
+  if (bits == 4) {  // int4's zero-point term needs the sums of x per group
+    float* o = scratch(xsum_buf, M * Gp);
+    group_sums(xc.data_ptr<c10::BFloat16>(), M, K, g, Gp, o);
     xs = o;
   }
 #define TL_SKINNY(MM)                                                   \
