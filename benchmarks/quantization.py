@@ -1,6 +1,7 @@
 """bf16 against weight-only int8 and int4, an INT8 KV cache and the GGUF's own Q4_1 tensors, on the
 embedded model, in one run: weight memory, KV capacity of a 2 GiB budget, single-stream decode tok/s,
-64-stream output throughput and perplexity on the Shakespeare texts.
+64-stream output throughput and perplexity on the Shakespeare texts; and bf16 with the decode step
+run layer by layer from Python (--no-fused-decode), to show what the fused C++ decode step is worth.
 
     python benchmarks/quantization.py [--repeats 3] [--streams 64] [--ppl-tokens 4096]
 """
@@ -13,6 +14,7 @@ import statistics
 from tokenloom import LLM
 from tokenloom.bench.offline import decode_rate, exact_prompts, output_throughput
 from tokenloom.bench.perplexity import default_text, perplexity
+from tokenloom.engine.engine import freeze_gc
 from tokenloom.engine.kv_cache import KVCacheSpec, plan_capacity
 from tokenloom.quant.weight_only import weight_bytes
 
@@ -37,10 +39,13 @@ def main() -> None:
         ("int4 g32", {**dense, "quantization": "int4", "quant_group_size": 32}),
         ("bf16 + int8 KV", {**dense, "kv_cache_dtype": "int8"}),
         ("GGUF Q4_1 kept (default)", {"gguf_weights": "keep"}),
+        # The same bf16 model with each decode step layer by layer from Python (engine/fused_decode.py off).
+        ("bf16, --no-fused-decode", {**dense, "fused_decode": False}),
     ]
     # All engines stay loaded and take turns, repeat by repeat: this VM's speed drifts over minutes,
     # and turns put every configuration in the same minutes as its baseline.
     llms = {name: LLM(kv_cache_memory="512MiB", max_model_len=2048, **kw) for name, kw in runs}  # type: ignore[arg-type]
+    freeze_gc()  # as `tokenloom serve` does
     first = next(iter(llms.values()))
     vocab = first.engine.model_config.vocab_size
     short = exact_prompts(first.tokenizer, 1, 16, vocab)[0]

@@ -89,6 +89,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from tokenloom.engine.async_engine import AsyncLLMEngine
+    from tokenloom.engine.engine import freeze_gc
     from tokenloom.serve.app import build_app
     from tokenloom.serve.metrics import ServingMetrics
     from tokenloom.serve.server import run_app
@@ -100,6 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--role {args.role} does not transfer a draft model's KV: use --speculative ngram or self")
     engine = AsyncLLMEngine.from_config(config, max_waiting=args.max_waiting)
     core = engine.engine
+    freeze_gc()
     name = args.served_model_name or core.model_name
     metrics = ServingMetrics(name)
     engine.on_step = metrics.on_step

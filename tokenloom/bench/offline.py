@@ -98,10 +98,12 @@ def output_throughput(llm: LLM, prompts: list[list[int]], n: int) -> float:
 
 class TokenloomRunner:
     def __init__(self, args: argparse.Namespace) -> None:
+        from tokenloom.engine.engine import freeze_gc
         from tokenloom.llm import LLM
         from tokenloom.quant.weight_only import weight_bytes
 
         self.llm = LLM(**engine_config(args).__dict__)
+        freeze_gc()  # as `tokenloom serve` does
         eng = self.llm.engine
         self.weight_bytes = weight_bytes(eng.loaded.model)
         self.vocab = eng.model_config.vocab_size
