@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -50,7 +51,8 @@ class FusedDecoder:
         if model.norm.weight.dtype != torch.bfloat16:
             return f"model dtype {model.norm.weight.dtype} (bfloat16 only)"
         for name, m in model.named_modules():
-            if name.endswith("_proj") and not (_is_dense_bf16(m) or (isinstance(m, QuantLinear) and m.kernel_module() is not None)):
+            served = _is_dense_bf16(m) or (isinstance(m, QuantLinear) and m.kernel_module() is not None)
+            if name.endswith("_proj") and not served:
                 return f"layer {name} ({type(m).__name__}) has no C++ kernel"
         return None
 
@@ -68,7 +70,7 @@ def _is_dense_bf16(m: torch.nn.Module) -> bool:
     return type(m) is Linear and m.weight.dtype == torch.bfloat16 and m.weight.is_contiguous()
 
 
-def _fused_linear(kernels: ModuleType, m: torch.nn.Module):  # -> kernels.FusedLinear
+def _fused_linear(kernels: ModuleType, m: torch.nn.Module) -> Any:  # a kernels.FusedLinear
     if isinstance(m, QuantLinear):
         return kernels.FusedLinear(m.codes, m.scales, m.mins, m.bias, m.bits)
     return kernels.FusedLinear(m.weight, None, None, m.bias, 16)
