@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "dtype.h"
+#include "kernels.h"
 
 // Rows per parallel chunk such that a chunk holds at least ~32k elements. Smaller jobs (a decode
 // step's few rows) run on the calling thread: a 2-thread OpenMP region for microseconds of work costs

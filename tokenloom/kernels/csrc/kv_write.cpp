@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "dtype.h"
+#include "kernels.h"
 
 namespace {
 

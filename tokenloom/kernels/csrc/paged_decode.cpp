@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "dtype.h"
+#include "kernels.h"
 
 // Widen one row of D values to float32 (vectorisable; see dtype.h).
 template <typename cache_t>

@@ -37,6 +37,7 @@
 #endif
 
 #include "dtype.h"
+#include "kernels.h"
 
 namespace {
 

@@ -18,10 +18,9 @@
 #endif
 
 #include "dtype.h"
+#include "kernels.h"
 
 namespace {
-
-constexpr int kMaxRows = 8;
 
 // out[m] = dot(x[m, :K], w[:K]) for m < M, float32 accumulation.
 template <int M>
@@ -89,7 +88,7 @@ bool skinny_available() {
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: x (M, K) and w (N, K)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "skinny_linear: bfloat16 only");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "skinny_linear: 1..8 rows");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kSkinnyMaxRows, "skinny_linear: 1..8 rows");
   TORCH_CHECK(w.is_contiguous(), "skinny_linear: contiguous weight");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0);
