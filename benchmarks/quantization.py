@@ -1,7 +1,9 @@
 """bf16 against weight-only int8 and int4, an INT8 KV cache and the GGUF's own Q4_1 tensors, on the
 embedded model, in one run: weight memory, KV capacity of a 2 GiB budget, single-stream decode tok/s,
-64-stream output throughput and perplexity on the Shakespeare texts; and bf16 with the decode step
-run layer by layer from Python (--no-fused-decode), to show what the fused C++ decode step is worth.
+64-stream output throughput and perplexity on the Shakespeare texts, twice: with each 1,024-token window
+as one prefill, and (over the first 2,048 tokens) token by token as decode runs (the few-row kernels;
+int8 weights quantize activations to int8 there); and bf16 with the decode step run layer by layer from Python
+(--no-fused-decode), to show what the fused C++ decode step is worth.
 
     python benchmarks/quantization.py [--repeats 3] [--streams 64] [--ppl-tokens 4096]
 """
@@ -25,6 +27,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--ppl-tokens", type=int, default=4096)
+    ap.add_argument("--decode-ppl-tokens", type=int, default=2048,
+                    help="tokens scored with one forward pass per token (the overlapping windows score each twice)")
     a = ap.parse_args()
     text = default_text()
     # The embedded model ships as a Q4_1 GGUF: every row but the last expands it to bf16 first
@@ -71,15 +75,18 @@ def main() -> None:
                                      eng.config.kv_cache_dtype == "int8")
         conc = plan_capacity(spec, "2GiB", eng.device, 2048).max_concurrency
         ppl, n = perplexity(eng, ids, 1024, 512)
+        ppl_decode, n_decode = perplexity(eng, ids[: a.decode_ppl_tokens], 1024, 512, chunk=1)
         rows.append((name, weight_bytes(eng.loaded.model) / 1e6, conc, statistics.median(dec[name]),
-                     statistics.median(thr[name]), ppl))
+                     statistics.median(thr[name]), ppl, ppl_decode))
     base = rows[0]
     print(f"\n| model | weights (MB) | sequences of 2048 in 2 GiB KV | decode tok/s | vs bf16 | "
-          f"{a.streams} streams out tok/s | vs bf16 | perplexity ({n} tokens) | vs bf16 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name, mb, conc, d, t, ppl in rows:
+          f"{a.streams} streams out tok/s | vs bf16 | perplexity ({n} tokens) | vs bf16 | "
+          f"perplexity token by token ({n_decode} tokens) | vs bf16 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, mb, conc, d, t, ppl, ppl_d in rows:
         print(f"| {name} | {mb:.0f} | {conc:.1f} ({conc / base[2]:.2f}x) | {d:.1f} | {d / base[3]:.2f}x | "
-              f"{t:.1f} | {t / base[4]:.2f}x | {ppl:.3f} | {100 * (ppl / base[5] - 1):+.2f}% |")
+              f"{t:.1f} | {t / base[4]:.2f}x | {ppl:.3f} | {100 * (ppl / base[5] - 1):+.2f}% | "
+              f"{ppl_d:.3f} | {100 * (ppl_d / base[6] - 1):+.2f}% |")
     print("\nper repeat, decode tok/s: " + "; ".join(f"{k} {', '.join(f'{x:.1f}' for x in v)}" for k, v in dec.items()))
 
 

@@ -92,6 +92,57 @@ def test_int8_per_32_block_scales(rows: int, k: int) -> None:
     _check(Int8Linear.from_codes(q, d, torch.randn(45).bfloat16()), rows)
 
 
+def _few_rows_int8_oracle(lin: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    """float64 model of the few-row int8 kernel (quant_gemm.cpp): x in kernel order is quantized per
+    64-input chunk to round(x / dx), dx = max |x| / 127, in float32 as the kernel does; the product with
+    the codes is then exact up to float32 accumulation."""
+    from tokenloom.quant.layout import CHUNK, CHUNK_ORDERS, LAYOUT_VERSION, padded
+
+    m, k = x.shape
+    kp = padded(k)
+    order = CHUNK_ORDERS[LAYOUT_VERSION]
+    xc = torch.cat([x.float(), x.new_zeros(m, kp - k).float()], dim=1).reshape(m, kp // CHUNK, CHUNK)[..., order]
+    dx = xc.abs().amax(-1) / 127
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    xq = torch.round(xc * inv[..., None]).clamp(-128, 127)  # round half to even, as vcvtps2dq
+    xhat = (xq * dx[..., None])[..., torch.argsort(order)].reshape(m, kp)[:, :k]
+    bias = 0 if lin.bias is None else lin.bias.double()
+    return xhat.double() @ lin.dequantize().double().T + bias
+
+
+@pytest.mark.skipif(load_quant_kernels() is None, reason="needs the AVX512 quantized kernels")
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("case", ["per-row", "per-32"])
+def test_few_row_int8_kernel_quantizes_x_per_64_inputs(rows: int, case: str) -> None:
+    """The few-row int8 path multiplies int8 x by int8 codes (vpdpbusd): it must match the oracle of
+    that arithmetic to bf16 output rounding, tighter than it matches float x."""
+    torch.manual_seed(2)
+    if case == "per-row":
+        lin = Int8Linear.from_linear(_linear(45, 576, bias=True))
+    else:
+        q = torch.randint(-127, 128, (45, 96), dtype=torch.int8)
+        lin = Int8Linear.from_codes(q, (torch.rand(45, 3) * 0.01 + 1e-3).half(), torch.randn(45).bfloat16())
+    x = torch.randn(rows, lin.in_features).bfloat16()
+    x[:, 5] = 40.0  # an outlier input: its chunk's other inputs get a coarse step
+    got = lin(x).double()
+    oracle, exact = _few_rows_int8_oracle(lin, x), lin.reference(x).double()
+    tol = dict(rtol=2**-8, atol=1e-4 * oracle.abs().max().item())
+    torch.testing.assert_close(got, oracle, **tol)
+    assert not torch.allclose(got, exact, **tol)  # so the oracle, not float x, is what it computes
+
+
+def test_code_layout_keeps_each_four_byte_lane_in_one_block() -> None:
+    """vpdpbusd sums bytes 4j..4j+3 into int32 lane j; with 32-input scale groups those four must be
+    consecutive inputs of block j % 2, or one lane would mix two scales."""
+    from tokenloom.quant.layout import CHUNK_ORDERS, LAYOUT_VERSION
+
+    order = CHUNK_ORDERS[LAYOUT_VERSION]
+    assert sorted(order.tolist()) == list(range(64))
+    for j in range(16):
+        lane = order[4 * j:4 * j + 4]
+        assert (lane // 32 == j % 2).all() and lane.tolist() == list(range(int(lane[0]), int(lane[0]) + 4))
+
+
 def test_kernel_layout_round_trips() -> None:
     q4 = torch.randint(0, 16, (5, 96), dtype=torch.uint8)
     q8 = torch.randint(-128, 128, (5, 100), dtype=torch.int8)
@@ -106,8 +157,8 @@ def test_kernels_are_built_here() -> None:
     import re
 
     flags = open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").is_file() else ""
-    if not re.search(r"\bavx512_bf16\b", flags):
-        pytest.skip("CPU without AVX512-BF16")
+    if not (re.search(r"\bavx512_bf16\b", flags) and re.search(r"\bavx512_vnni\b", flags)):
+        pytest.skip("CPU without AVX512-BF16 and AVX512-VNNI")
     assert load_quant_kernels() is not None
 
 
@@ -175,3 +226,9 @@ def test_perplexity_matches_transformers(tiny_llama: Path) -> None:
     # Overlapping windows score every token once too, each with less context.
     windowed, n2 = perplexity(llm.engine, ids, 64, 32)
     assert n2 == len(ids) - 1 and math.isfinite(windowed)
+    # Windows run in pieces over the KV cache (token by token as decode does) score the same.
+    for chunk in (1, 7):
+        pieces, n3 = perplexity(llm.engine, ids, 128, 128, chunk=chunk)
+        assert n3 == n and pieces == pytest.approx(ours, rel=1e-4)
+    with pytest.raises(ConfigError, match="--chunk"):
+        perplexity(llm.engine, ids, 128, 128, chunk=0)

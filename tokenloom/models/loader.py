@@ -66,6 +66,7 @@ def load_model(
         raise ModelLoadError(f"model path {str(p)!r} does not exist")
     quantized: dict[str, nn.Module] = {}  # module path -> layer built from quantized storage
     stored: dict[str, dict[str, torch.Tensor]] = {}  # a quantized checkpoint's buffers, by module path
+    layout = 0  # and the layout version of their codes (quant/layout.py)
     if p.is_file() and p.suffix == ".gguf":
         from tokenloom.models.gguf import LOADABLE_DTYPES, config_from_gguf, read_gguf, state_dict_from_gguf
         from tokenloom.models.gguf_tokenizer import tokenizer_from_gguf
@@ -93,7 +94,7 @@ def load_model(
         if qcfg is not None:
             from tokenloom.quant.checkpoint import check_quantization_config, split_stored
 
-            check_quantization_config(qcfg, p)
+            layout = check_quantization_config(qcfg, p)
             if dt != torch.bfloat16 or device.type != "cpu":
                 raise ModelLoadError(f"{p}: a tokenloom-quantized checkpoint runs in bfloat16 on CPU")
             plain, stored = split_stored(weights)
@@ -109,7 +110,7 @@ def load_model(
     if stored:
         from tokenloom.quant.checkpoint import stored_layers
 
-        quantized.update(stored_layers(stored, model))
+        quantized.update(stored_layers(stored, model, layout))
     for name, layer in quantized.items():
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, layer)

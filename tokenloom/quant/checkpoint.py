@@ -1,10 +1,11 @@
 """`tokenloom quantize`: a quantized checkpoint in Hugging Face folder form, and reading it back.
 
 The folder holds config.json (with `"quantization_config": {"quant_method": "tokenloom", "bits",
-"group_size"}`), model.safetensors, tokenizer.json + tokenizer_config.json and generation_config.json.
+"group_size", "code_layout"}`), model.safetensors, tokenizer.json + tokenizer_config.json and generation_config.json.
 A quantized layer is stored under its module path in tokenloom's model ("model.layers.0.self_attn.
 qkv_proj", fused as the engine runs it; "lm_head") as `.codes` (the kernels' layout, quant/layout.py),
-`.scales`, `.mins` (int4) and `.bias`; every other tensor under its Hugging Face name. The loader builds
+`.scales`, `.mins` (int4) and `.bias`; every other tensor under its Hugging Face name. "code_layout" is
+quant/layout.py's LAYOUT_VERSION (absent: 1); codes of an older layout are re-laid out on load. The loader builds
 the quantized layers from those buffers directly: no float weight, no re-quantization. The layers are
 exactly the ones `--quantization` builds at load from the same model and flags.
 """
@@ -23,6 +24,7 @@ from torch import nn
 
 from tokenloom.errors import ConfigError, ModelLoadError
 from tokenloom.models.config import ModelConfig
+from tokenloom.quant.layout import CHUNK_ORDERS, LAYOUT_VERSION, relayout
 from tokenloom.quant.linear import Int4Linear, Int8Linear, QuantLinear
 from tokenloom.quant.weight_only import QUANTIZATIONS, quantize_model
 
@@ -55,7 +57,7 @@ def quantize_checkpoint(model: str | None, out: Path, method: str, group_size: i
         _write_tokenizer(loaded, out)
     hf["torch_dtype"] = "bfloat16"
     hf["quantization_config"] = {"quant_method": QUANT_METHOD, "bits": 4 if method == "int4" else 8,
-                                 "group_size": group_size}
+                                 "group_size": group_size, "code_layout": LAYOUT_VERSION}
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return sum(isinstance(m, QuantLinear) for m in loaded.model.modules())
 
@@ -123,10 +125,16 @@ def _write_tokenizer(loaded: Any, out: Path) -> None:
 # --- reading it back ------------------------------------------------------------------------------
 
 
-def check_quantization_config(qcfg: dict[str, Any], folder: Path) -> None:
+def check_quantization_config(qcfg: dict[str, Any], folder: Path) -> int:
+    """Validates a checkpoint's quantization_config; returns the layout version its codes are stored in."""
     if qcfg.get("quant_method") != QUANT_METHOD:
         raise ModelLoadError(f"{folder}: quantization_config.quant_method {qcfg.get('quant_method')!r} is not "
                              f"supported; tokenloom reads its own ({QUANT_METHOD!r}, from `tokenloom quantize`)")
+    layout = qcfg.get("code_layout", 1)  # checkpoints from before the field stored layout 1
+    if layout not in CHUNK_ORDERS:
+        raise ModelLoadError(f"{folder}: quantization_config.code_layout {layout!r} is unknown to this tokenloom "
+                             f"(it reads {', '.join(map(str, sorted(CHUNK_ORDERS)))}); re-run `tokenloom quantize`")
+    return int(layout)
 
 
 def split_stored(weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, torch.Tensor]],
@@ -145,15 +153,17 @@ def split_stored(weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[tupl
     return plain, stored
 
 
-def stored_layers(stored: dict[str, dict[str, torch.Tensor]], model: nn.Module) -> Iterator[tuple[str, QuantLinear]]:
-    """Quantized layers from their stored buffers; input sizes from the (meta) model's own layers."""
+def stored_layers(stored: dict[str, dict[str, torch.Tensor]], model: nn.Module,
+                  layout: int = LAYOUT_VERSION) -> Iterator[tuple[str, QuantLinear]]:
+    """Quantized layers from their stored buffers (codes in `layout`); input sizes from the (meta)
+    model's own layers."""
     for path, parts in stored.items():
         try:
             target = model.get_submodule(path)
         except AttributeError as e:
             raise ModelLoadError(f"quantized tensors for {path!r}, which the model lacks") from e
         k = int(getattr(target, "in_features"))
-        codes, scales, bias = parts["codes"], parts["scales"], parts.get("bias")
+        codes, scales, bias = relayout(parts["codes"], k, layout), parts["scales"], parts.get("bias")
         if codes.dtype == torch.int8:
             yield path, Int8Linear(codes, scales, bias, k)
         elif "mins" in parts:

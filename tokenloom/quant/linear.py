@@ -1,6 +1,7 @@
 """Weight-only quantized linear layers: the weight stays as int8 / int4 codes with float16 scales in
-memory, the matmul runs in the C++ kernels of kernels/csrc/quant_gemm.cpp (bfloat16 activations,
-float32 accumulation); without them (no compiler, no AVX512-BF16) each call dequantizes to bfloat16.
+memory, the matmul runs in the C++ kernels of kernels/csrc/quant_gemm.cpp (bfloat16 activations, int8
+ones for int8 weights on the few-row decode path; float32 accumulation); without them (no compiler, no
+AVX512-BF16 or AVX512-VNNI) each call dequantizes to bfloat16.
 
 One storage format covers tokenloom's own quantization and the GGUF types kept as they are:
 - Int8Linear: w = d q, scales (N, G) float16: G = 1 (per output channel) or K/32 (GGUF Q8_0).

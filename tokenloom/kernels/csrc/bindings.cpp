@@ -14,6 +14,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear,
         "x @ dequant(W).T (+ bias): bfloat16 x (M, K), int8 (N, K) or int4 (N, K/2) codes, float16 scales (N, G) "
         "and int4 mins (N, G)");
-  m.def("quant_available", &quant_available, "whether the AVX512-BF16 quantized matmuls were compiled in");
+  m.def("quant_available", &quant_available, "whether the AVX512-BF16 + VNNI quantized matmuls were compiled in");
   bind_decode_stack(m);
 }

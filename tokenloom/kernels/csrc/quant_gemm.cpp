@@ -3,27 +3,29 @@
 //   int8: w = d * q          q in [-128, 127]; g = K (one scale per output channel) or g = 32 (GGUF Q8_0)
 //   int4: w = d * q + m      q in [0, 15]; g = 32 (GGUF Q4_0: m = -8 d; Q4_1) or 64, 128, 256
 //
-// Layout ("kernel order", written by tokenloom/quant/layout.py): each row's K inputs, zero-padded to
-// Kp = K rounded up to 64, are cut into chunks of 64 = two 32-input blocks A, B. Position p (0..63) of
-// a chunk holds input e(p) = 32 ((p >> 1) & 1) + 16 (p >> 5) + 2 ((p & 31) >> 2) + (p & 1):
+// Layout ("kernel order", written by tokenloom/quant/layout.py, LAYOUT_VERSION 2): each row's K inputs,
+// zero-padded to Kp = K rounded up to 64, are cut into chunks of 64 = two 32-input blocks A, B.
+// Position p (0..63) of a chunk holds input e(p) = 32 ((p >> 2) & 1) + 4 (p >> 3) + (p & 3), so that
+// positions 4j..4j+3 are four consecutive inputs of block j % 2:
 //   int8: byte p = q[e(p)];   int4: byte i (0..31) = q[e(i)] | q[e(32 + i)] << 4.
-// A chunk decodes to two vectors of 32 bf16 codes, v0 = positions 0..31 and v1 = 32..63, and x is
-// permuted to the same order once per call. Then float lane j of vdpbf16ps (positions 2j, 2j+1) sums
-// block j % 2 only, so with g = 32 one vector [dA, dB, dA, dB, ...] (a broadcast float16 pair,
-// converted) scales a whole chunk. For int4 this is a pure byte shuffle of GGUF's Q4_0/Q4_1 blocks.
+// x is permuted to the same order once per call. A lane of either dot-product instruction then sums
+// one block only, so with g = 32 one vector of per-lane block scales scales a whole chunk: vpdpbusd's
+// int32 lane j (positions 4j..4j+3) [dA, dB, dA, dB, ...], vdpbf16ps's float lane j (positions 2j,
+// 2j+1) [dA, dA, dB, dB, ...]. For int4 and Q8_0 this is a pure byte shuffle of GGUF's blocks.
 //
-// Codes are exact in bf16 (|q| <= 128), so vdpbf16ps multiplies x by q exactly; the scales are applied
-// per chunk in float32. int4 codes become bf16 by OR-ing the nibble into the bits of 128.0 (no
-// conversion instruction): dot(x, 128 + q) d + (m - 128 d) sum(x) = dot(x, d q + m), with sum(x) per
-// group computed once per call.
+// int4 codes are dotted in bf16, where they are exact: OR-ing a nibble into the bits of 128.0 makes
+// 128 + q with no conversion instruction, and dot(x, 128 + q) d + (m - 128 d) sum(x) = dot(x, d q + m),
+// with sum(x) per group computed once per call. int8 codes would need three conversions per 16 to
+// reach bf16, so on the few-row path x is quantized to int8 instead (see QX) and vpdpbusd multiplies
+// 64 codes per instruction; tried for int4 too, where it was no faster than the bf16 path.
 //
 // Two paths:
 //   M <= 8 (decode, speculative verification): each weight row is streamed once and dotted with all M
-//     rows of x, weights never expanded (memory-bound: int4 reads ~1/3.5 of bf16's bytes). Rows are
-//     prefetched in software: hardware prefetchers stop at 4 KiB pages, which halved the bandwidth.
+//     rows of x, weights never expanded (int4 reads ~1/3.5 of bf16's bytes). Rows are prefetched in
+//     software: hardware prefetchers stop at 4 KiB pages, which halved the bandwidth.
 //   M > 8 (prefill, large decode batches): a tile of 32 output channels is expanded to bf16 in a
 //     thread-local buffer (int8 per channel: the codes, exact; grouped: d q + m rounded to bf16 once),
-//     then a 4x4 register-blocked dot-product kernel reuses it for all M rows.
+//     then a 4x4 register-blocked dot-product kernel reuses it for all M rows with x exact in bf16.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -31,7 +33,8 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__)
 #include <immintrin.h>
 #define TOKENLOOM_QGEMM 1
 #endif
@@ -45,7 +48,7 @@ constexpr int kMaxSkinnyRows = 8;
 constexpr int64_t kTile = 32;  // output channels expanded per tile on the many-row path
 constexpr int64_t kPrefetchSteps = 4;  // prefetch distance, in steps of NR rows
 
-inline int64_t chunk_input(int64_t p) { return 32 * ((p >> 1) & 1) + 16 * (p >> 5) + 2 * ((p & 31) >> 2) + (p & 1); }
+inline int64_t chunk_input(int64_t p) { return 32 * ((p >> 2) & 1) + 4 * (p >> 3) + (p & 3); }
 
 #ifdef TOKENLOOM_QGEMM
 
@@ -91,11 +94,19 @@ inline __m512 scale_all(const at::Half* d) {
   return _mm512_cvtph_ps(_mm256_set1_epi16(bits));
 }
 
-// [dA, dB, dA, dB, ...] from two consecutive float16 scales.
+// [dA, dB, dA, dB, ...] from two consecutive float16 scales: vpdpbusd's lane j sums block j % 2.
 inline __m512 scale_pair(const at::Half* d) {
   int32_t two;
   std::memcpy(&two, d, 4);
   return _mm512_cvtph_ps(_mm256_set1_epi32(two));
+}
+
+// [dA, dA, dB, dB, ...]: vdpbf16ps's lane j sums positions 2j, 2j + 1, of block (j / 2) % 2.
+inline __m512 scale_pair_bf16(const at::Half* d) {
+  int32_t two;
+  std::memcpy(&two, d, 4);
+  const __m256i ab = _mm256_set1_epi32(two);
+  return _mm512_cvtph_ps(_mm256_unpacklo_epi16(ab, ab));
 }
 
 // [sum(a), sum(b), sum(c), sum(d)]
@@ -108,13 +119,35 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// out[r][m] = dot(x[m], w[n0 + r]) for NR output channels and all M rows; xp: (M, Kp) permuted x.
-// Per chunk: two dot products from zero, scaled into the row's accumulator (one scale per row: added
-// straight in, scaled at the end). NR rows at once share the horizontal sums and the scalar work.
+// x for the few-row path. int4: bf16 in kernel order, dotted with the codes by vdpbf16ps, and its float
+// sums per weight group. int8: quantized like llama.cpp's Q8 activations, per row m and chunk c (64
+// inputs) xq = round(x / dx) in [-127, 127] with dx = max |x| / 127, so that vpdpbusd multiplies 64
+// codes by 64 xq per instruction with no widening of the codes (widening int8 to bf16 took three
+// conversions per 16 codes and made int8 slower than int4).
+struct QX {
+  const c10::BFloat16* xp;  // int4: (M, Kp)
+  const float* sum;         // int4: (M, Gp)
+  const int8_t* q;          // int8: (M, Kp)
+  const float* d;           // int8: (M, nchunks)
+  const int32_t* corr;      // int8: (M, nchunks, 16) -128 * each int32 lane's sum of xq (see codes_u8)
+  int64_t Kp, nchunks, Gp;
+};
+
+// Chunk c of an int8 row -> its 64 codes as the unsigned bytes vpdpbusd needs: q + 128 (q ^ 0x80), the
+// +128 taken back by starting the dot product from QX::corr.
+inline __m512i codes_u8(const uint8_t* row, int64_t c) {
+  return _mm512_xor_si512(_mm512_loadu_si512(row + c * 64), _mm512_set1_epi8(static_cast<char>(0x80)));
+}
+
+// out[r][m] = dot(x[m], w[n0 + r]) for NR output channels and all M rows. Per chunk and row of x:
+//   int4: two vdpbf16ps from zero, float lane j summing positions 2j, 2j+1 (block (j / 2) % 2);
+//   int8: one vpdpbusd, int32 lane j summing positions 4j..4j+3 (block j % 2), made float and times dx;
+// then scaled into the row's accumulator by the chunk's weight scales (with g = 32 a vector holding each
+// lane's block scale; one scale per row is applied at the end instead). NR rows at once share the
+// horizontal sums and the scalar work.
 template <int M, int NR, int BITS, int MODE>
-__attribute__((always_inline)) inline void dot_rows(const QWeight& w, int64_t n0, const c10::BFloat16* xp, int64_t Kp,
-                                                    const float* xsum, int64_t Gp, float (*out)[M]) {
-  const int64_t nchunks = Kp / 64;
+__attribute__((always_inline)) inline void dot_rows(const QWeight& w, int64_t n0, const QX& x, float (*out)[M]) {
+  const int64_t nchunks = x.nchunks;
   // kPairs: a chunk without block B (K / 32 odd) has no second scale to read; it is done last, apart.
   const int64_t full = MODE == kPairs && (w.G & 1) ? nchunks - 1 : nchunks;
   const int shift = MODE == kGroups ? __builtin_ctzll(w.g / 64) : 0;  // chunk -> group
@@ -128,27 +161,35 @@ __attribute__((always_inline)) inline void dot_rows(const QWeight& w, int64_t n0
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
   }
-  auto chunk = [&](int64_t c, int r, __m512 dv) __attribute__((always_inline)) {
+  auto chunk = [&](int64_t c, int r, __m512 dw) __attribute__((always_inline)) {
     _mm_prefetch(reinterpret_cast<const char*>(rows[r] + kPrefetchSteps * NR * w.row_bytes + c * 8 * BITS), _MM_HINT_T0);
-    __m512i v0, v1;
-    decode<BITS>(rows[r], c, v0, v1);
-    const c10::BFloat16* x = xp + c * 64;
-    if constexpr (MODE == kPerRow) {
+    if constexpr (BITS == 4) {
+      __m512i v0, v1;
+      decode<4>(rows[r], c, v0, v1);
+      const c10::BFloat16* xc = x.xp + c * 64;
 #pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) acc[r][m] = dp(dp(acc[r][m], x + m * Kp, v0), x + m * Kp + 32, v1);
+      for (int m = 0; m < M; ++m) {
+        const __m512 dot = dp(dp(_mm512_setzero_ps(), xc + m * x.Kp, v0), xc + m * x.Kp + 32, v1);
+        acc[r][m] = MODE == kPerRow ? _mm512_add_ps(dot, acc[r][m]) : _mm512_fmadd_ps(dot, dw, acc[r][m]);
+      }
     } else {
+      const __m512i u = codes_u8(rows[r], c);
 #pragma GCC unroll 8
-      for (int m = 0; m < M; ++m)
-        acc[r][m] = _mm512_fmadd_ps(dp(dp(_mm512_setzero_ps(), x + m * Kp, v0), x + m * Kp + 32, v1), dv, acc[r][m]);
+      for (int m = 0; m < M; ++m) {
+        const __m512i init = _mm512_loadu_si512(x.corr + (m * nchunks + c) * 16);
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, u, _mm512_loadu_si512(x.q + m * x.Kp + c * 64)));
+        const __m512 dx = _mm512_set1_ps(x.d[m * nchunks + c]);
+        acc[r][m] = _mm512_fmadd_ps(dot, MODE == kPerRow ? dx : _mm512_mul_ps(dw, dx), acc[r][m]);
+      }
     }
   };
   for (int64_t c = 0; c < full; ++c) {
 #pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) {
-      __m512 dv = _mm512_setzero_ps();
-      if constexpr (MODE == kPairs) dv = scale_pair(ds[r] + 2 * c);
-      if constexpr (MODE == kGroups) dv = scale_all(ds[r] + (c >> shift));
-      chunk(c, r, dv);
+      __m512 dw = _mm512_setzero_ps();
+      if constexpr (MODE == kPairs) dw = BITS == 4 ? scale_pair_bf16(ds[r] + 2 * c) : scale_pair(ds[r] + 2 * c);
+      if constexpr (MODE == kGroups) dw = scale_all(ds[r] + (c >> shift));
+      chunk(c, r, dw);
     }
   }
   if (full < nchunks) {
@@ -171,7 +212,7 @@ __attribute__((always_inline)) inline void dot_rows(const QWeight& w, int64_t n0
         const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mn + i));
         const __m512 mp = _mm512_fmadd_ps(dv, _mm512_set1_ps(-128.f), mv);
 #pragma GCC unroll 8
-        for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(mp, _mm512_loadu_ps(xsum + m * Gp + i), acc[r][m]);
+        for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(mp, _mm512_loadu_ps(x.sum + m * x.Gp + i), acc[r][m]);
       }
     }
   }
@@ -187,10 +228,9 @@ __attribute__((always_inline)) inline void dot_rows(const QWeight& w, int64_t n0
 }
 
 template <int M, int NR, int BITS, int MODE>
-inline void store_rows(const QWeight& w, int64_t n0, const c10::BFloat16* xp, int64_t Kp, const float* xsum,
-                       int64_t Gp, const c10::BFloat16* bias, c10::BFloat16* y) {
+inline void store_rows(const QWeight& w, int64_t n0, const QX& x, const c10::BFloat16* bias, c10::BFloat16* y) {
   float out[NR][M];
-  dot_rows<M, NR, BITS, MODE>(w, n0, xp, Kp, xsum, Gp, out);
+  dot_rows<M, NR, BITS, MODE>(w, n0, x, out);
   for (int r = 0; r < NR; ++r) {
     const float b = bias != nullptr ? to_float(bias[n0 + r]) : 0.f;
     for (int m = 0; m < M; ++m) y[m * w.N + n0 + r] = from_float<c10::BFloat16>(out[r][m] + b);
@@ -198,24 +238,22 @@ inline void store_rows(const QWeight& w, int64_t n0, const c10::BFloat16* xp, in
 }
 
 template <int M, int BITS, int MODE>
-void skinny_mode(const QWeight& w, const c10::BFloat16* xp, int64_t Kp, const float* xsum, int64_t Gp,
-                 const c10::BFloat16* bias, c10::BFloat16* y) {
+void skinny_mode(const QWeight& w, const QX& x, const c10::BFloat16* bias, c10::BFloat16* y) {
   constexpr int NR = M <= 2 ? 4 : 2;  // rows per step: NR * M accumulators in registers
   // Chunks of at least ~128 KiB of codes: smaller jobs stay on the calling thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / w.row_bytes / NR);
   const int64_t steps = w.N / NR;
   at::parallel_for(0, steps, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) store_rows<M, NR, BITS, MODE>(w, i * NR, xp, Kp, xsum, Gp, bias, y);
+    for (int64_t i = begin; i < end; ++i) store_rows<M, NR, BITS, MODE>(w, i * NR, x, bias, y);
   });
-  for (int64_t n = steps * NR; n < w.N; ++n) store_rows<M, 1, BITS, MODE>(w, n, xp, Kp, xsum, Gp, bias, y);
+  for (int64_t n = steps * NR; n < w.N; ++n) store_rows<M, 1, BITS, MODE>(w, n, x, bias, y);
 }
 
 template <int M, int BITS>
-void skinny(const QWeight& w, const c10::BFloat16* xp, int64_t Kp, const float* xsum, int64_t Gp,
-            const c10::BFloat16* bias, c10::BFloat16* y) {
-  if (w.G == 1) skinny_mode<M, BITS, kPerRow>(w, xp, Kp, xsum, Gp, bias, y);
-  else if (w.g == 32) skinny_mode<M, BITS, kPairs>(w, xp, Kp, xsum, Gp, bias, y);
-  else skinny_mode<M, BITS, kGroups>(w, xp, Kp, xsum, Gp, bias, y);
+void skinny(const QWeight& w, const QX& x, const c10::BFloat16* bias, c10::BFloat16* y) {
+  if (w.G == 1) skinny_mode<M, BITS, kPerRow>(w, x, bias, y);
+  else if (w.g == 32) skinny_mode<M, BITS, kPairs>(w, x, bias, y);
+  else skinny_mode<M, BITS, kGroups>(w, x, bias, y);
 }
 
 // --- many rows: expand a tile, then a register-blocked bf16 kernel ----------------------------------
@@ -241,10 +279,10 @@ float expand_row(const QWeight& w, int64_t n, int64_t Kp, c10::BFloat16* dst) {
       _mm512_storeu_si512(dst + c * 64 + 32, v1);
       continue;
     }
-    // Positions 2j, 2j+1 belong to block j % 2: blocks A A B B A A B B ... along the 16 float lanes.
+    // Positions 4j..4j+3 belong to block j % 2: blocks A A A A B B B B ... along the 16 float lanes.
     // Block B's group (a missing B in the last chunk reads A's: its codes and x are zero).
     const int64_t ga = c * 64 / w.g, gb = std::min<int64_t>((c * 64 + 32) / w.g, w.G - 1);
-    const __mmask16 is_b = 0xCCCC;
+    const __mmask16 is_b = 0xF0F0;
     const __m512 dv = _mm512_mask_blend_ps(is_b, _mm512_set1_ps(half_to_float(d[ga])), _mm512_set1_ps(half_to_float(d[gb])));
     __m512 mv = _mm512_setzero_ps();
     if constexpr (BITS == 4)
@@ -344,6 +382,28 @@ void group_sums(const c10::BFloat16* x, int64_t M, int64_t K, int64_t g, int64_t
   }
 }
 
+// xp (M, Kp) bf16 in kernel order -> xq (M, Kp) int8, dx (M, Kp / 64) per 64-input chunk, and corr
+// (M, Kp / 64, 16): -128 * each int32 lane's sum of xq (see codes_u8).
+void quantize_x(const c10::BFloat16* xp, int64_t M, int64_t Kp, int8_t* xq, float* dx, int32_t* corr) {
+  const int64_t nchunks = Kp / 64;
+  for (int64_t i = 0; i < M * nchunks; ++i) {
+    const c10::BFloat16* src = xp + i * 64;
+    const __m512i a = _mm512_loadu_si512(src), b = _mm512_loadu_si512(src + 32);
+    const __m512 f[4] = {bf16_lo_to_ps(a), bf16_hi_to_ps(a), bf16_lo_to_ps(b), bf16_hi_to_ps(b)};
+    const __m512 amax = _mm512_max_ps(_mm512_max_ps(_mm512_abs_ps(f[0]), _mm512_abs_ps(f[1])),
+                                      _mm512_max_ps(_mm512_abs_ps(f[2]), _mm512_abs_ps(f[3])));
+    const float d = _mm512_reduce_max_ps(amax) / 127.f;
+    dx[i] = d;
+    const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    for (int j = 0; j < 4; ++j)  // round to nearest even; |x| / d <= 127 (+ rounding) stays in int8
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i * 64 + 16 * j),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(f[j], inv))));
+    const __m512i lane_sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1),
+                                                  _mm512_loadu_si512(xq + i * 64));
+    _mm512_storeu_si512(corr + i * 16, _mm512_mullo_epi32(lane_sums, _mm512_set1_epi32(-128)));
+  }
+}
+
 // Scratch that lives as long as the calling thread: a decode step calls this ~120 times, and two
 // tensor allocations per call cost as much as the permute itself.
 template <typename T>
@@ -404,16 +464,29 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
     else tiled<8>(w, M, xpp, Kp, b, yp);
     return y;
   }
-  const float* xs = nullptr;
-  if (bits == 4) {  // int4's zero-point term needs the sums of x per group
-    float* o = scratch(xsum_buf, M * Gp);
-    group_sums(xc.data_ptr<c10::BFloat16>(), M, K, g, Gp, o);
-    xs = o;
+  // The few-row path: int4 dots the permuted bf16 x and needs its sums per group; int8 quantizes it.
+  const int64_t nchunks = Kp / 64;
+  QX qx{xpp, nullptr, nullptr, nullptr, nullptr, Kp, nchunks, Gp};
+  if (bits == 4) {
+    float* xs = scratch(xsum_buf, M * Gp);
+    group_sums(xc.data_ptr<c10::BFloat16>(), M, K, g, Gp, xs);
+    qx.sum = xs;
+  } else {
+    thread_local std::vector<int8_t> xq_buf;
+    thread_local std::vector<float> dx_buf;
+    thread_local std::vector<int32_t> corr_buf;
+    int8_t* xq = scratch(xq_buf, M * Kp);
+    float* dx = scratch(dx_buf, M * nchunks);
+    int32_t* corr = scratch(corr_buf, M * nchunks * 16);
+    quantize_x(xpp, M, Kp, xq, dx, corr);
+    qx.q = xq;
+    qx.d = dx;
+    qx.corr = corr;
   }
 #define TL_SKINNY(MM)                                                   \
   case MM:                                                              \
-    if (bits == 4) skinny<MM, 4>(w, xpp, Kp, xs, Gp, b, yp);            \
-    else skinny<MM, 8>(w, xpp, Kp, xs, Gp, b, yp);                      \
+    if (bits == 4) skinny<MM, 4>(w, qx, b, yp);                         \
+    else skinny<MM, 8>(w, qx, b, yp);                                   \
     break;
   switch (M) {
     TL_SKINNY(1) TL_SKINNY(2) TL_SKINNY(3) TL_SKINNY(4) TL_SKINNY(5) TL_SKINNY(6) TL_SKINNY(7)
