@@ -71,8 +71,8 @@ def test_paged_decode_matches_reference(dtype: torch.dtype, head_dim: int, hq: i
     everything = torch.arange(num_blocks * block)
     kv.write(torch.randn(num_blocks * block, hkv, head_dim).to(dtype),
              torch.randn(num_blocks * block, hkv, head_dim).to(dtype), everything)
-    lens = [1, 7, 16, 23]
-    perm = torch.randperm(num_blocks - 1).tolist()  # the last block is scratch, in no table
+    lens = [1, 7, 16, 23, 5, 158]  # a remainder of 1..3 tokens after groups of four; a long one
+    perm = torch.randperm(num_blocks - 2).tolist()  # the last two blocks are scratch, in no table
     tables, used = [], 0
     for n in lens:
         nb = -(-n // block)
@@ -83,7 +83,7 @@ def test_paged_decode_matches_reference(dtype: torch.dtype, head_dim: int, hq: i
     q = torch.randn(len(lens), hq, head_dim).to(dtype)
     got = K.paged_decode(q, kv.k, kv.v, kv.k_scale, kv.v_scale, bt, torch.tensor(lens), head_dim**-0.5, window or 0)
     # The reference writes the new tokens' K/V first: send them to the scratch block, read by no one.
-    scratch = torch.arange(len(lens)) + (num_blocks - 1) * block
+    scratch = torch.arange(len(lens)) + (num_blocks - 2) * block
     junk = torch.randn(len(lens), hkv, head_dim).to(dtype)
     meta = AttentionMetadata(list(range(len(lens) + 1)), lens, bt, scratch, block)
     want = ReferenceBackend().forward(q, junk, junk, kv, meta, head_dim**-0.5, window)

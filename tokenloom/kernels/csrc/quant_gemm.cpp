@@ -35,7 +35,7 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__)
-#include <immintrin.h>
+#include "avx512.h"
 #define TOKENLOOM_QGEMM 1
 #endif
 
@@ -107,16 +107,6 @@ inline __m512 scale_pair_bf16(const at::Half* d) {
   std::memcpy(&two, d, 4);
   const __m256i ab = _mm256_set1_epi32(two);
   return _mm512_cvtph_ps(_mm256_unpacklo_epi16(ab, ab));
-}
-
-// [sum(a), sum(b), sum(c), sum(d)]
-inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0+a2 b0+b2 a1+a3 b1+b3
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));  // per 128-bit lane
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
 // x for the few-row path. int4: bf16 in kernel order, dotted with the codes by vdpbf16ps, and its float
