@@ -1,13 +1,14 @@
 """`tokenloom quantize`: a quantized checkpoint in Hugging Face folder form, and reading it back.
 
 The folder holds config.json (with `"quantization_config": {"quant_method": "tokenloom", "bits",
-"group_size", "code_layout"}`), model.safetensors, tokenizer.json + tokenizer_config.json and generation_config.json.
+"group_size", "code_layout"}`), model.safetensors, tokenizer.json + tokenizer_config.json and
+generation_config.json.
 A quantized layer is stored under its module path in tokenloom's model ("model.layers.0.self_attn.
 qkv_proj", fused as the engine runs it; "lm_head") as `.codes` (the kernels' layout, quant/layout.py),
-`.scales`, `.mins` (int4) and `.bias`; every other tensor under its Hugging Face name. "code_layout" is
-quant/layout.py's LAYOUT_VERSION (absent: 1); codes of an older layout are re-laid out on load. The loader builds
-the quantized layers from those buffers directly: no float weight, no re-quantization. The layers are
-exactly the ones `--quantization` builds at load from the same model and flags.
+`.scales`, `.mins` (int4) and `.bias`; every other tensor under its Hugging Face name. "code_layout"
+is quant/layout.py's LAYOUT_VERSION (absent: 1); codes of an older layout are re-laid out on load. The
+loader builds the quantized layers from those buffers directly: no float weight, no re-quantization.
+The layers are exactly the ones `--quantization` builds at load from the same model and flags.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The kernels' code layout (see kernels/csrc/quant_gemm.cpp): each row's K inputs, zero-padded to a
-multiple of 64, in chunks of 64 whose position p holds input CHUNK_ORDERS[LAYOUT_VERSION][p], so that the four bytes a
-vpdpbusd lane sums never mix two 32-input blocks. int8: one byte per position; int4: byte i (0..31) of
+multiple of 64, in chunks of 64 whose position p holds input CHUNK_ORDERS[LAYOUT_VERSION][p], so that
+the four bytes a vpdpbusd lane sums never mix two 32-input blocks. int8: one byte per position; int4: byte i (0..31) of
 a chunk holds positions i (low nibble) and 32 + i (high nibble).
 
 LAYOUT_VERSION names the order; quantized checkpoints record it, and those written with an older

@@ -160,8 +160,10 @@ static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, co
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
       const int64_t n = len - first;
       rows.resize(n);
-      for (int64_t t = first; t < len; ++t)
-        rows[t - first] = (bt[b * max_blocks + t / block_size] * block_size + t % block_size) * token_stride + h * kD;
+      for (int64_t t = first; t < len; ++t) {
+        const int64_t slot = bt[b * max_blocks + t / block_size] * block_size + t % block_size;
+        rows[t - first] = slot * token_stride + h * kD;
+      }
       scores.resize(n);
       for (int64_t g = 0; g < G; ++g) {
         const c10::BFloat16* qg = qp + (b * Hq + h * G + g) * kD;
@@ -169,7 +171,8 @@ static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, co
         for (int64_t v = 0; v < V; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(qg + 32 * v);
         auto dot = [&](int64_t i) {
           __m512 a = _mm512_setzero_ps();
-          for (int64_t v = 0; v < V; ++v) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(kp + rows[i] + 32 * v), qv[v]);
+          for (int64_t v = 0; v < V; ++v)
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(kp + rows[i] + 32 * v), qv[v]);
           return a;
         };
         float* sc = scores.data();
