@@ -2,8 +2,8 @@
 embedded model, in one run: weight memory, KV capacity of a 2 GiB budget, single-stream decode tok/s,
 64-stream output throughput and perplexity on the Shakespeare texts, twice: with each 1,024-token window
 as one prefill, and (over the first 2,048 tokens) token by token as decode runs (the few-row kernels;
-int8 weights quantize activations to int8 there); and bf16 with the decode step run layer by layer from Python
-(--no-fused-decode), to show what the fused C++ decode step is worth.
+int8 weights quantize activations to int8 there); and bf16 with the decode step run layer by layer
+from Python (--no-fused-decode), to show what the fused C++ decode step is worth.
 
     python benchmarks/quantization.py [--repeats 3] [--streams 64] [--ppl-tokens 4096]
 """
@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--ppl-tokens", type=int, default=4096)
     ap.add_argument("--decode-ppl-tokens", type=int, default=2048,
-                    help="tokens scored with one forward pass per token (the overlapping windows score each twice)")
+                    help="tokens scored with one forward pass per token (overlapping windows: each runs twice)")
     a = ap.parse_args()
     text = default_text()
     # The embedded model ships as a Q4_1 GGUF: every row but the last expands it to bf16 first

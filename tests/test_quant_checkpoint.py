@@ -73,13 +73,15 @@ def test_unknown_quant_method_is_refused(tiny_llama: Path, tmp_path: Path) -> No
 def test_a_checkpoint_in_the_first_code_layout_is_relaid_on_load(tiny_llama: Path, tmp_path: Path, method: str) -> None:
     """Checkpoints written before "code_layout" existed hold layout 1; loading them must give the same
     layers as today's, not silently wrong products."""
+    import shutil
+
     from safetensors.torch import load_file, save_file
+
+    from tokenloom.errors import ModelLoadError
 
     new, old = tmp_path / "new", tmp_path / "old"
     assert main(["quantize", "--model", str(tiny_llama), "--out", str(new), "--quantization", method,
                  "--quant-group-size", "32"]) == 0
-    import shutil
-
     shutil.copytree(new, old)
     cfg = json.loads((old / "config.json").read_text())
     del cfg["quantization_config"]["code_layout"]
@@ -107,7 +109,5 @@ def test_a_checkpoint_in_the_first_code_layout_is_relaid_on_load(tiny_llama: Pat
 
     cfg["quantization_config"]["code_layout"] = 99
     (old / "config.json").write_text(json.dumps(cfg))
-    from tokenloom.errors import ModelLoadError
-
     with pytest.raises(ModelLoadError, match="code_layout 99"):
         LLM(str(old), **kw)
