@@ -39,6 +39,20 @@ static inline void widen(const cache_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
+// s[i] = exp(s[i] - max(s)) in place, for one query head's n scores; returns their sum.
+static inline float exp_minus_max(float* s, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = exp_fast(s[i] - m);
+    sum += s[i];
+  }
+  return sum;
+}
+
 // kD > 0 fixes the head size at compile time (fully unrolled, vectorised inner loops); 0 = runtime size.
 // cache_t: scalar_t, or int8_t with per-(token, head) float16 scales (k_scale/v_scale non-null).
 template <typename scalar_t, typename cache_t, int64_t kD>
@@ -92,15 +106,7 @@ static void paged_decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, 
       // softmax over t, per query head
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; ++i) {
-          sg[i] = exp_fast(sg[i] - m);
-          sum += sg[i];
-        }
-        const float inv = 1.f / sum;
+        const float inv = 1.f / exp_minus_max(sg, n);
         for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
       }
       // acc[g] = sum_t p[g, t] * v_t
@@ -180,15 +186,7 @@ static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, co
         for (; i + 4 <= n; i += 4)
           _mm_storeu_ps(sc + i, _mm_mul_ps(hsum4(dot(i), dot(i + 1), dot(i + 2), dot(i + 3)), _mm_set1_ps(fscale)));
         for (; i < n; ++i) sc[i] = _mm512_reduce_add_ps(dot(i)) * fscale;
-        float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < n; ++j) m = std::max(m, sc[j]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) {
-          sc[j] = exp_fast(sc[j] - m);
-          sum += sc[j];
-        }
+        const float sum = exp_minus_max(sc, n);
         __m512 even[V], odd[V];
         for (int64_t v = 0; v < V; ++v) even[v] = odd[v] = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; ++j) {
