@@ -41,7 +41,8 @@ def main() -> None:
         ("int8", {**dense, "quantization": "int8"}),
         ("int4 g128", {**dense, "quantization": "int4", "quant_group_size": 128}),
         ("int4 g32", {**dense, "quantization": "int4", "quant_group_size": 32}),
-        ("bf16 + int8 KV", {**dense, "kv_cache_dtype": "int8"}),
+        ("bf16 + int8 KV (per-head scales)", {**dense, "kv_cache_dtype": "int8"}),
+        ("bf16 + int8 KV (per-token scales)", {**dense, "kv_cache_dtype": "int8", "kv_cache_scales": "token"}),
         ("GGUF Q4_1 kept (default)", {"gguf_weights": "keep"}),
         # The same bf16 model with each decode step layer by layer from Python (engine/fused_decode.py off).
         ("bf16, --no-fused-decode", {**dense, "fused_decode": False}),
@@ -72,7 +73,7 @@ def main() -> None:
         eng = llm.engine
         # Sequences of 2,048 tokens a 2 GiB KV budget holds, from the engine's own sizing rule.
         spec = KVCacheSpec.for_model(eng.model_config, eng.config.block_size, eng.loaded.dtype,
-                                     eng.config.kv_cache_dtype == "int8")
+                                     eng.config.kv_cache_dtype == "int8", eng.config.kv_cache_scales == "head")
         conc = plan_capacity(spec, "2GiB", eng.device, 2048).max_concurrency
         ppl, n = perplexity(eng, ids, 1024, 512)
         ppl_decode, n_decode = perplexity(eng, ids[: a.decode_ppl_tokens], 1024, 512, chunk=1)

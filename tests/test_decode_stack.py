@@ -32,7 +32,8 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "mistral sliding window 8": ({"arch": "mistral", "sliding_window": 8}, {}),
     "int8 weights": ({}, {"quantization": "int8"}),
     "int4 weights g32": ({}, {"quantization": "int4", "quant_group_size": 32}),
-    "int8 kv cache": ({}, {"kv_cache_dtype": "int8"}),
+    "int8 kv cache, per-head scales": ({}, {"kv_cache_dtype": "int8"}),
+    "int8 kv cache, per-token scales": ({}, {"kv_cache_dtype": "int8", "kv_cache_scales": "token"}),
     "self-draft speculation": ({}, {"speculative": "self", "draft_layers": 1, "num_speculative_tokens": 3}),
 }
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from conftest import PROMPTS, LiveServer
 from tokenloom import LLM, SamplingParams
@@ -31,18 +32,20 @@ def _prefilled(model: Path, prompt_ids: list[int], **kw: object) -> LLM:
     return src
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_blocks_moved_between_engines_give_the_colocated_output(tiny_llama: Path, kv_cache_dtype: str) -> None:
-    colocated = _llm(tiny_llama, kv_cache_dtype=kv_cache_dtype)
+@pytest.mark.parametrize("cache", [{}, {"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "int8", "kv_cache_scales": "token"}])
+def test_blocks_moved_between_engines_give_the_colocated_output(tiny_llama: Path, cache: dict[str, str]) -> None:
+    colocated = _llm(tiny_llama, **cache)
     ids = colocated.tokenizer.encode(LONG)
     want = colocated.generate([ids], GREEDY)[0].outputs[0].token_ids
 
-    src = _prefilled(tiny_llama, ids, kv_cache_dtype=kv_cache_dtype)
+    # Per-head scales: the decode worker serves a longer context than the prefill worker, and still
+    # calibrates the same scales (the layouts, digest included, must agree).
+    src = _prefilled(tiny_llama, ids, **cache, max_model_len=128)
     records = export_prefix(src.engine, ids)
     assert len(records) == len(ids) // 16 >= 3
     layout, arrived = decode_request(encode_request(KVLayout.of(src.engine), records))
 
-    dst = _llm(tiny_llama, kv_cache_dtype=kv_cache_dtype)
+    dst = _llm(tiny_llama, **cache)
     assert import_prefix(dst.engine, layout, arrived) == (len(records), 0)
     dst.engine.kv.pool.check_invariants()
     assert dst.engine.kv.pool.num_cached == len(records)  # held by the cache, by no sequence
@@ -94,6 +97,19 @@ def test_wire_rejects_corruption_and_mismatches(tiny_llama: Path) -> None:
     int8 = _llm(tiny_llama, kv_cache_dtype="int8")
     with pytest.raises(KVTransferError, match="layout mismatch"):
         import_prefix(int8.engine, *decode_request(frames))
+    # INT8 codes mean the same values only under the same scales: per token against per head, and per
+    # head against other per-head scales.
+    int8_src = _prefilled(tiny_llama, ids, kv_cache_dtype="int8")
+    int8_frames = encode_request(KVLayout.of(int8_src.engine), export_prefix(int8_src.engine, ids))
+    assert import_prefix(int8.engine, *decode_request(int8_frames))[0] > 0  # same scales: accepted
+    per_token = _llm(tiny_llama, kv_cache_dtype="int8", kv_cache_scales="token")
+    with pytest.raises(KVTransferError, match="layout mismatch"):
+        import_prefix(per_token.engine, *decode_request(int8_frames))
+    other_scales = _llm(tiny_llama, kv_cache_dtype="int8")
+    with torch.inference_mode():  # the one (Hkv,) vector under the view: every block sees the change
+        other_scales.engine.runner.kv_caches[0].k_scale[0, 0, 0] *= 2
+    with pytest.raises(KVTransferError, match="layout mismatch"):
+        import_prefix(other_scales.engine, *decode_request(int8_frames))
 
 
 def test_block_hashes_agree_across_processes() -> None:

@@ -61,13 +61,13 @@ def test_rotary_inplace_on_fused_qkv_views(dtype: torch.dtype, head_dim: int) ->
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim, hq, hkv", [(64, 9, 3), (128, 4, 4), (48, 8, 2)])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("cache", ["model dtype", "int8 per token", "int8 per head"])
 def test_paged_decode_matches_reference(dtype: torch.dtype, head_dim: int, hq: int, hkv: int, window: int | None,
-                                        int8: bool) -> None:
+                                        cache: str) -> None:
     torch.manual_seed(3)
     block, num_blocks = 4, 64
-    kv = LayerKVCache.allocate(num_blocks, block, hkv, head_dim, dtype, int8, torch.device("cpu"))
-    # Fill every slot through the cache's own write (INT8: quantized with per-token, per-head scales).
+    kv = _cache(num_blocks, block, hkv, head_dim, dtype, cache)
+    # Fill every slot through the cache's own write (INT8: quantized with per-token or per-head scales).
     everything = torch.arange(num_blocks * block)
     kv.write(torch.randn(num_blocks * block, hkv, head_dim).to(dtype),
              torch.randn(num_blocks * block, hkv, head_dim).to(dtype), everything)
@@ -91,20 +91,21 @@ def test_paged_decode_matches_reference(dtype: torch.dtype, head_dim: int, hq: i
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("int8", [False, True])
-def test_write_kv_is_bit_identical_to_the_cache_write(dtype: torch.dtype, int8: bool) -> None:
+@pytest.mark.parametrize("cache", ["model dtype", "int8 per token", "int8 per head"])
+def test_write_kv_is_bit_identical_to_the_cache_write(dtype: torch.dtype, cache: str) -> None:
     torch.manual_seed(5)
     shape = (12, 4, 3, 64)  # (num_blocks, block_size, Hkv, D)
     slots = torch.randperm(48)[:21]
-    # Rows of very different ranges, an all-zero head and exact ties at half a step.
+    # Rows of very different ranges (per head: some saturate at +-127 codes, some round to 0), an
+    # all-zero head and exact ties at half a step.
     k = (torch.randn(21, 3, 64) * torch.logspace(-3, 2, 21)[:, None, None]).to(dtype)
     v = torch.randn(21, 3, 64).to(dtype)
     k[4, 1] = 0
     v[7, 0, :3] = torch.tensor([127.0, 0.5, -1.5])
-    want = LayerKVCache.allocate(shape[0], shape[1], shape[2], shape[3], dtype, int8, torch.device("cpu"))
-    got = LayerKVCache.allocate(shape[0], shape[1], shape[2], shape[3], dtype, int8, torch.device("cpu"))
+    want = _cache(*shape, dtype, cache)
+    got = _cache(*shape, dtype, cache)
     want_k, want_v = want.write(k, v, slots)
-    if int8:
+    if cache != "model dtype":
         got_k, got_v = K.write_kv_int8(k, v, got.k, got.v, got.k_scale, got.v_scale, slots)
         torch.testing.assert_close(got_k, want_k, rtol=0, atol=0)
         torch.testing.assert_close(got_v, want_v, rtol=0, atol=0)
@@ -114,6 +115,31 @@ def test_write_kv_is_bit_identical_to_the_cache_write(dtype: torch.dtype, int8: 
         assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match="out of range"):
         K.write_kv(k[:1], v[:1], got.k, got.v, torch.tensor([48]))
+
+
+def _cache(num_blocks: int, block: int, hkv: int, head_dim: int, dtype: torch.dtype, kind: str) -> LayerKVCache:
+    """A layer cache of the model dtype, INT8 with per-token scales, or INT8 with per-head scales from
+    0.02 to 1 (V's head 0 has 1: v[7, 0, 0] = 127.0 of the write test lands exactly on code 127)."""
+    fixed = None
+    if kind == "int8 per head":
+        fixed = (torch.logspace(-1.7, 0, hkv), torch.logspace(0, -1.7, hkv))
+    return LayerKVCache.allocate(num_blocks, block, hkv, head_dim, dtype, kind != "model dtype", torch.device("cpu"),
+                                 fixed)
+
+
+def test_per_head_scales_are_read_never_written() -> None:
+    kv = _cache(8, 4, 3, 64, torch.float32, "int8 per head")
+    assert kv.per_head_scales and kv.k_scale.stride() == (0, 0, 1)
+    assert len(kv.tensors()) == 2  # codes only travel per block
+    before = kv.k_scale[0, 0].clone()
+    K.write_kv_int8(torch.randn(5, 3, 64) * 100, torch.randn(5, 3, 64), kv.k, kv.v, kv.k_scale, kv.v_scale,
+                    torch.arange(5))
+    assert torch.equal(kv.k_scale[0, 0], before)
+    assert kv.k[:1, :1, 0].abs().max() == 127  # 100x the range of head 0: saturated
+    mixed = LayerKVCache.allocate(8, 4, 3, 64, torch.float32, True, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="one kind"):
+        K.write_kv_int8(torch.randn(1, 3, 64), torch.randn(1, 3, 64), kv.k, kv.v, kv.k_scale, mixed.v_scale,
+                        torch.arange(1))
 
 
 def test_paged_decode_rejects_int8_cache_without_scales() -> None:

@@ -37,7 +37,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="keep: a GGUF's Q8_0/Q4_0/Q4_1 linear weights run quantized (bfloat16 on CPU); "
                         "dequantize: expand them to --dtype at load")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "int8"],
-                   help="auto: the model's dtype; int8: codes with a float16 scale per token and head (~2x the tokens)")
+                   help="auto: the model's dtype; int8: int8 codes with float16 scales (see --kv-cache-scales)")
+    g.add_argument("--kv-cache-scales", default=d.kv_cache_scales, choices=["head", "token"],
+                   help="int8 KV scales. head: one per layer and head, calibrated at start-up (exactly 2x the tokens "
+                        "of a 16-bit cache; values beyond the calibrated range saturate); token: one per token and "
+                        "head, stored with the codes (never saturates; 1.94x the tokens at head size 64)")
     g.add_argument("--prefix-caching", dest="enable_prefix_caching", default=d.enable_prefix_caching,
                    action=argparse.BooleanOptionalAction,
                    help="reuse the K/V of full blocks across requests with a common prefix (on by default)")

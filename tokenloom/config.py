@@ -12,6 +12,7 @@ _UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "
 
 
 SPECULATIVE_METHODS = (None, "ngram", "draft", "self")
+KV_CACHE_SCALES = ("head", "token")
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,10 @@ class EngineConfig:
     quantization: str | None = None  # None | "int8" (per channel) | "int4" (group-wise): weight-only
     quant_group_size: int = 128  # int4 group size (a smaller supported one where it does not divide a layer)
     gguf_weights: str = "keep"  # keep | dequantize: GGUF Q8_0/Q4_0/Q4_1 linear weights stay quantized (bf16, CPU)
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (per token and head scales: ~2x the tokens)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (codes and float16 scales)
+    # int8 scales: head (one per layer and head, calibrated at start-up: 2x the tokens of 16 bits) |
+    # token (one per token and head, stored with the codes: nothing saturates, 1.94x at head_dim 64)
+    kv_cache_scales: str = "head"
     enable_prefix_caching: bool = True  # share the K/V of full blocks between requests with a common prefix
     # Speculative decoding: None | "ngram" (prompt lookup) | "draft" (--draft-model) | "self" (first
     # --draft-layers layers of the target). k = num_speculative_tokens drafts verified per step.
@@ -62,6 +66,8 @@ class EngineConfig:
             raise ConfigError(f"--quantization must be int8 or int4, got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ConfigError(f"--kv-cache-dtype must be auto or int8, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_scales not in KV_CACHE_SCALES:
+            raise ConfigError(f"--kv-cache-scales must be head or token, got {self.kv_cache_scales!r}")
         if self.gguf_weights not in ("keep", "dequantize"):
             raise ConfigError(f"--gguf-weights must be keep or dequantize, got {self.gguf_weights!r}")
         if self.quant_group_size not in (32, 64, 128, 256):

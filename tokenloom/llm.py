@@ -21,7 +21,7 @@ class LLM:
 
     Keyword arguments are `EngineConfig` fields: dtype, block_size, kv_cache_memory, max_model_len,
     max_num_seqs, max_num_batched_tokens, attention_backend, fused_decode, quantization, kv_cache_dtype,
-    enable_prefix_caching, speculative, seed, num_threads, device.
+    kv_cache_scales, enable_prefix_caching, speculative, seed, num_threads, device.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

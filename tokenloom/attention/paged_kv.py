@@ -1,15 +1,20 @@
-"""One layer's paged K/V storage, in the model dtype or in INT8 with a scale per token and head.
+"""One layer's paged K/V storage, in the model dtype or in INT8 with a scale per head or per token and head.
 
 Layout: k and v are (num_blocks, block_size, num_kv_heads, head_dim). Token t of a sequence lives in
 block `block_table[t // block_size]` at offset `t % block_size`, i.e. at flat slot
 `block * block_size + offset` of the cache viewed as (num_blocks * block_size, heads, dim).
 
-INT8 (`--kv-cache-dtype int8`): k and v hold int8 codes and k_scale / v_scale (num_blocks, block_size,
-num_kv_heads) float16 hold one symmetric scale per token and head, value ~= code * scale with
-scale = max|x| / 127 over the head's dimensions. Scales are per token because a block fills one token
-at a time (a block-wide scale would have to change as later tokens arrive), and per head because
-heads differ in range by an order of magnitude. A token of one head costs head_dim + 2 bytes instead
-of 2 * head_dim: 1.94x the tokens for head_dim 64, 1.97x for 128.
+INT8 (`--kv-cache-dtype int8`): k and v hold int8 codes, value ~= code * scale, with symmetric float16
+scales per head, because heads differ in range by an order of magnitude. k_scale / v_scale are always
+(num_blocks, block_size, num_kv_heads) tensors, in one of two kinds (`--kv-cache-scales`):
+- "head" (default): one fixed scale per layer and head, calibrated once when the engine starts
+  (engine/kv_calibration.py). The tensors are views of an (Hkv,) vector with zero block and token
+  strides, so a token of one head costs exactly head_dim bytes: twice the tokens of a 16-bit cache.
+  Values beyond the calibrated range saturate at +-127 codes.
+- "token": one scale per token and head, scale = max|x| / 127 over the head's dimensions, stored
+  beside the codes (a block fills one token at a time, so a block-wide scale would have to change as
+  later tokens arrive). Nothing saturates, and a token of one head costs head_dim + 2 bytes: 1.94x
+  the tokens for head_dim 64, 1.97x for 128.
 Attention always reads what the cache holds: `write` returns the dequantized K/V of the new tokens,
 so a prompt attends to the same values whether it is prefilled in one chunk or many.
 """
@@ -20,16 +25,25 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloom.errors import ConfigError
+
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 SCALE_DTYPE = torch.float16
 _MIN_SCALE = 2.0**-24  # float16's smallest subnormal: an all-zero head gets codes 0, not 0/0
 
 
-def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T, H, D) float -> (T, H, D) int8 codes and (T, H) float16 scales. The codes are fitted to the
-    float16-rounded scale, so |x - code * scale| <= scale / 2 holds for the stored scale."""
+def head_scales(amax: torch.Tensor) -> torch.Tensor:
+    """Per-head |x| bounds (..., H) -> float16 scales mapping each bound to code 127."""
+    return (amax.float() / 127.0).clamp(_MIN_SCALE, 65504.0).to(SCALE_DTYPE)
+
+
+def quantize_kv(x: torch.Tensor, fixed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, H, D) float -> (T, H, D) int8 codes and (T, H) float16 scales: each row's own (max|x| / 127),
+    or `fixed` (H,) float16 for every row. The codes are fitted to the float16 scale, so
+    |x - code * scale| <= scale / 2 holds for the stored scale wherever |x| <= 127 scale (beyond,
+    codes saturate at +-127)."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1) / 127.0).clamp(_MIN_SCALE, 65504.0).to(SCALE_DTYPE)
+    scale = head_scales(xf.abs().amax(dim=-1)) if fixed is None else fixed.to(SCALE_DTYPE).expand(x.shape[:-1])
     codes = torch.round(xf / scale.float()[..., None]).clamp_(-127, 127).to(torch.int8)
     return codes, scale
 
@@ -43,22 +57,37 @@ def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
 class LayerKVCache:
     k: torch.Tensor  # (num_blocks, block_size, Hkv, D): model dtype, or int8 codes
     v: torch.Tensor
-    k_scale: torch.Tensor | None = None  # (num_blocks, block_size, Hkv) float16 when int8, else None
+    # INT8: (num_blocks, block_size, Hkv) float16, per token (contiguous) or per head (an (Hkv,) vector
+    # seen with zero block and token strides); None for a model-dtype cache.
+    k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 quantized: bool, device: torch.device) -> "LayerKVCache":
+                 quantized: bool, device: torch.device,
+                 fixed_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> "LayerKVCache":
+        """`fixed_scales`: the layer's calibrated (Hkv,) K and V scales for a per-head INT8 cache."""
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         if not quantized:
             return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         codes = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(2)]
-        scales = [torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device) for _ in range(2)]
+        if fixed_scales is None:
+            scales = [torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device) for _ in range(2)]
+        else:
+            for s in fixed_scales:
+                if s.shape != (num_kv_heads,):
+                    raise ConfigError(f"per-head KV scales must be ({num_kv_heads},), got {tuple(s.shape)}")
+            scales = [s.to(device=device, dtype=SCALE_DTYPE).expand(shape[:3]) for s in fixed_scales]
         return cls(codes[0], codes[1], scales[0], scales[1])
 
     @property
     def quantized(self) -> bool:
         return self.k_scale is not None
+
+    @property
+    def per_head_scales(self) -> bool:
+        """INT8 with fixed per-head scales: nothing but codes is stored per token."""
+        return self.k_scale is not None and self.k_scale.stride(1) == 0
 
     @property
     def block_size(self) -> int:
@@ -69,8 +98,10 @@ class LayerKVCache:
         return self.k.shape[2]
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the layer, in a fixed order (block copies and transfers walk these)."""
-        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+        """Every tensor with a slice per block, in a fixed order (block copies and transfers walk these);
+        fixed per-head scales belong to no block."""
+        scales = [] if self.per_head_scales else [self.k_scale, self.v_scale]
+        return [t for t in (self.k, self.v, *scales) if t is not None]
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scatter the new tokens' K/V (T, Hkv, D) into their slots; returns them as the cache now holds
@@ -81,10 +112,12 @@ class LayerKVCache:
             self.v.view(n * bs, h, d).index_copy_(0, slot_mapping, v.to(self.v.dtype))
             return k, v
         out = []
+        fixed = self.per_head_scales
         for x, codes, scales in zip((k, v), (self.k, self.v), self._scales()):
-            q, s = quantize_kv(x)
+            q, s = quantize_kv(x, scales[0, 0] if fixed else None)
             codes.view(n * bs, h, d).index_copy_(0, slot_mapping, q)
-            scales.view(n * bs, h).index_copy_(0, slot_mapping, s)
+            if not fixed:
+                scales.view(n * bs, h).index_copy_(0, slot_mapping, s)
             out.append(dequantize_kv(q, s, x.dtype))
         return out[0], out[1]
 

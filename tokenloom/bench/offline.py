@@ -252,3 +252,8 @@ def _print_table(res: dict[str, dict[str, float]], args: argparse.Namespace) -> 
     print(f"\n(a) reads {t['decode_bandwidth_fraction'] * 100:.0f}% of the measured copy bandwidth "
           f"(weight bytes per step / step time, against the copy's bytes read + written per second)")
     print(f"(b) / (a) = {t['batch_out_tok_s'] / t['decode_tok_s']:.1f}x the single-stream rate")
+    # vLLM's throughput benchmark also reports total tokens/s: prompt tokens processed plus tokens
+    # generated, over the same elapsed time.
+    total = t["batch_out_tok_s"] * (args.batch_input_len + args.batch_output_len) / args.batch_output_len
+    print(f"(b) counting prompt tokens too (total tok/s, as vLLM's throughput benchmark also reports): "
+          f"{total:.1f} = {total / t['decode_tok_s']:.1f}x the single-stream rate")

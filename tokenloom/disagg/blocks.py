@@ -5,9 +5,9 @@ a block half-way through.
 
 A block travels as its position in the prefix chain (the chained hash of its tokens and its parent's
 hash, as the prefix cache names blocks) plus its bytes: for each layer in order, the block's slice of
-each cache tensor (K, V, and with an INT8 cache the K and V scales), C order. Received blocks enter the
-decode worker's prefix-cache index as cached, unreferenced blocks; the request that follows finds them
-at admission and computes only the rest of its prompt.
+each cache tensor (K, V, and with a per-token INT8 cache the K and V scales), C order. Received blocks
+enter the decode worker's prefix-cache index as cached, unreferenced blocks; the request that follows
+finds them at admission and computes only the rest of its prompt.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from tokenloom.attention.paged_kv import LayerKVCache
 from tokenloom.engine.block_pool import NO_PARENT
 from tokenloom.engine.engine import LLMEngine
+from tokenloom.engine.kv_calibration import scales_digest
 from tokenloom.errors import TokenloomError
 
 
@@ -36,17 +37,24 @@ class KVLayout:
     head_dim: int
     block_size: int
     cache_dtype: str  # "bfloat16", "float32", "int8", ...
+    # INT8: "token" (scales travel with each block) or "head:<digest of the calibrated per-head scales>"
+    # (codes only: both sides must read them with the same scales); "" for a model-dtype cache.
+    kv_scales: str = ""
 
     @classmethod
     def of(cls, engine: LLMEngine) -> "KVLayout":
         caches = engine.runner.kv_caches
         k = caches[0].k
-        return cls(engine.model_name, len(caches), k.shape[2], k.shape[3], k.shape[1], engine.capacity.cache_dtype)
+        scales = ""
+        if caches[0].quantized:
+            scales = f"head:{scales_digest(caches)}" if caches[0].per_head_scales else "token"
+        return cls(engine.model_name, len(caches), k.shape[2], k.shape[3], k.shape[1],
+                   "int8" if caches[0].quantized else str(k.dtype).removeprefix("torch."), scales)
 
     @property
     def block_nbytes(self) -> int:
         per_head_token = self.head_dim * (1 if self.cache_dtype == "int8" else _itemsize(self.cache_dtype))
-        if self.cache_dtype == "int8":
+        if self.kv_scales == "token":
             per_head_token += 2  # the float16 scale
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * per_head_token
 

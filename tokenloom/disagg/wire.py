@@ -3,12 +3,14 @@
 Request (prefill worker -> decode worker):
     frame 0   b"TLKV/1"                              magic and version
     frame 1   UTF-8 JSON header:
-              {"layout": {"model", "num_layers", "num_kv_heads", "head_dim", "block_size", "cache_dtype"},
+              {"layout": {"model", "num_layers", "num_kv_heads", "head_dim", "block_size", "cache_dtype",
+                          "kv_scales"},
                "blocks": [{"hash": int, "parent_hash": int | null, "tokens": [int, ...],
                            "nbytes": int, "sha256": hex}, ...]}
-    frame 2+i the bytes of block i: for each layer, the block's slice of K, V (and, with an INT8 cache,
-              of the K and V scales), each (block_size, num_kv_heads, head_dim) or (block_size,
-              num_kv_heads), C order, little-endian, in the cache's dtype.
+    frame 2+i the bytes of block i: for each layer, the block's slice of K, V (and, with per-token INT8
+              scales, kv_scales "token", of the K and V scales), each (block_size, num_kv_heads,
+              head_dim) or (block_size, num_kv_heads), C order, little-endian, in the cache's dtype.
+              Per-head scales (kv_scales "head:<digest>") never travel: the digest must match.
 Reply (decode worker -> prefill worker): one UTF-8 JSON frame,
     {"ok": true, "written": int, "present": int} or {"ok": false, "error": str}.
 

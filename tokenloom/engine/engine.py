@@ -19,6 +19,7 @@ from tokenloom.attention.cpu import CPUBackend
 from tokenloom.config import EngineConfig
 from tokenloom.engine.fused_decode import build_fused_decoder
 from tokenloom.engine.kv_cache import KVCacheSpec, allocate_kv_cache, plan_capacity
+from tokenloom.engine.kv_calibration import calibrate_kv_scales, calibration_prompts
 from tokenloom.engine.kv_cache_manager import KVCacheManager
 from tokenloom.engine.output_processor import append_tokens, take_delta
 from tokenloom.engine.runner import ModelRunner
@@ -26,6 +27,7 @@ from tokenloom.engine.sampler import Sampler
 from tokenloom.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenloom.engine.sequence import Sequence, SequenceStatus
 from tokenloom.errors import ConfigError, ContextTooLong, InvalidRequest
+from tokenloom.models.llama import LlamaForCausalLM
 from tokenloom.models.loader import LoadedModel, load_model
 from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenloom.quant.weight_only import quantize_model
@@ -120,13 +122,15 @@ class LLMEngine:
             )
         self.draft = self._load_draft()
         int8_kv = config.kv_cache_dtype == "int8"
-        spec = KVCacheSpec.for_model(mcfg, config.block_size, self.loaded.dtype, int8_kv)
-        draft_spec = (KVCacheSpec.for_model(self.draft.config, config.block_size, self.draft.dtype, int8_kv)
+        per_head = config.kv_cache_scales == "head"
+        spec = KVCacheSpec.for_model(mcfg, config.block_size, self.loaded.dtype, int8_kv, per_head)
+        draft_spec = (KVCacheSpec.for_model(self.draft.config, config.block_size, self.draft.dtype, int8_kv, per_head)
                       if self.draft is not None else None)
         self.capacity = plan_capacity(spec, config.kv_cache_memory, self.device, self.max_model_len,
                                       draft_spec.bytes_per_block if draft_spec else 0)
         self.kv = KVCacheManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching)
-        kv_tensors = allocate_kv_cache(spec, self.capacity.num_blocks, self.device)
+        kv_tensors = allocate_kv_cache(spec, self.capacity.num_blocks, self.device,
+                                       self._calibrate(self.loaded.model) if int8_kv and per_head else None)
         fused = (build_fused_decoder(self.backend.kernels, self.loaded.model, kv_tensors, self.device)
                  if config.fused_decode and isinstance(self.backend, CPUBackend) else None)
         self.runner = ModelRunner(self.loaded.model, kv_tensors, config.block_size, self.backend, self.device, fused)
@@ -142,7 +146,8 @@ class LLMEngine:
             self.proposer = DraftModelProposer(self.runner, self.loaded.model, kv_tensors[: config.draft_layers],
                                                self.sampler, shares_target_cache=True)
         elif self.draft is not None and draft_spec is not None:
-            draft_kv = allocate_kv_cache(draft_spec, self.capacity.num_blocks, self.device)
+            draft_kv = allocate_kv_cache(draft_spec, self.capacity.num_blocks, self.device,
+                                         self._calibrate(self.draft.model) if int8_kv and per_head else None)
             self.proposer = DraftModelProposer(self.runner, self.draft.model, draft_kv, self.sampler,
                                                shares_target_cache=False)
         self.requests: dict[str, _Request] = {}
@@ -159,6 +164,15 @@ class LLMEngine:
     @property
     def model_name(self) -> str:
         return self.loaded.name
+
+    def _calibrate(self, model: LlamaForCausalLM) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-head INT8 KV scales of `model` (engine/kv_calibration.py): one prefill at start-up."""
+        t = time.monotonic()
+        prompts = calibration_prompts(self.tokenizer, model.rotary.max_position)
+        scales = calibrate_kv_scales(model, self.backend, self.device, prompts, self.config.block_size)
+        log.info("calibrated per-head INT8 KV scales on %d tokens in %.2fs", sum(map(len, prompts)),
+                 time.monotonic() - t)
+        return scales
 
     def _load_draft(self) -> LoadedModel | None:
         """The --draft-model (it must share the target's vocabulary); checks --draft-layers for self."""

@@ -20,21 +20,27 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype  # the model's dtype: what attention computes in
-    quantized: bool = False  # INT8 codes + one float16 scale per token and head (--kv-cache-dtype int8)
+    quantized: bool = False  # INT8 codes with float16 scales (--kv-cache-dtype int8)
+    per_head_scales: bool = True  # INT8: one fixed scale per layer and head, else one per token and head
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype, quantized: bool = False) -> "KVCacheSpec":
-        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype, quantized)
+    def for_model(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype, quantized: bool = False,
+                  per_head_scales: bool = True) -> "KVCacheSpec":
+        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype, quantized,
+                   per_head_scales)
 
     @property
     def cache_dtype_name(self) -> str:
-        return "int8" if self.quantized else str(self.dtype).removeprefix("torch.")
+        if self.quantized:
+            return "int8, per-head scales" if self.per_head_scales else "int8, per-token scales"
+        return str(self.dtype).removeprefix("torch.")
 
     @property
     def bytes_per_token(self) -> int:
-        # K and V, every layer: head_dim values per head, plus the head's scale when quantized.
+        # K and V, every layer: head_dim values per head, plus the head's scale when quantized per token
+        # (per-head scales are a few bytes per layer, not per token).
         if self.quantized:
-            per_head = self.head_dim + SCALE_DTYPE.itemsize
+            per_head = self.head_dim + (0 if self.per_head_scales else SCALE_DTYPE.itemsize)
         else:
             per_head = self.head_dim * self.dtype.itemsize
         return 2 * self.num_layers * self.num_kv_heads * per_head
@@ -98,10 +104,15 @@ def plan_capacity(spec: KVCacheSpec, budget: str, device: torch.device, max_mode
                       spec.cache_dtype_name)
 
 
-def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[LayerKVCache]:
-    """One LayerKVCache per layer, (num_blocks, block_size, num_kv_heads, head_dim) each for K and V."""
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device,
+                      fixed_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> list[LayerKVCache]:
+    """One LayerKVCache per layer, (num_blocks, block_size, num_kv_heads, head_dim) each for K and V.
+    `fixed_scales`: each layer's calibrated (Hkv,) K and V scales, for an INT8 cache with per-head scales."""
+    if spec.quantized and spec.per_head_scales and (fixed_scales is None or len(fixed_scales) != spec.num_layers):
+        raise ConfigError("an INT8 KV cache with per-head scales needs calibrated scales for every layer")
     return [
         LayerKVCache.allocate(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype,
-                              spec.quantized, device)
-        for _ in range(spec.num_layers)
+                              spec.quantized, device,
+                              fixed_scales[i] if spec.quantized and spec.per_head_scales and fixed_scales else None)
+        for i in range(spec.num_layers)
     ]

@@ -10,6 +10,12 @@
 // skinny_linear serves 1..kSkinnyMaxRows rows (models/layers.py SKINNY_MAX_ROWS).
 constexpr int64_t kSkinnyMaxRows = 8;
 
+// An INT8 cache's (num_blocks, block_size, Hkv) scales are per token and head (contiguous) or one per
+// head: an (Hkv,) vector expanded over blocks and tokens (zero strides), see attention/paged_kv.py.
+inline bool scales_per_head(const at::Tensor& s) {
+  return s.dim() == 3 && s.stride(0) == 0 && s.stride(1) == 0 && s.stride(2) == 1;
+}
+
 // paged_decode.cpp
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,

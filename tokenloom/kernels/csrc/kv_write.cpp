@@ -1,9 +1,12 @@
 // Writing new tokens' K and V into the paged cache (flat slots, see attention/paged_kv.py), K and V in
-// one call. The INT8 form quantizes on the way: one float16 scale per (token, head), scale =
-// max|x| / 127 clamped to [2^-24, 65504] and rounded to float16 first, codes = round-half-even(x /
-// scale) clamped to [-127, 127]; it also returns what the cache now holds (codes * scale in x's dtype),
-// which prefill chunks attend over. Bit-identical to paged_kv.quantize_kv / dequantize_kv (the oracle):
-// the same float32 operations in the same order, no fast-math.
+// one call. The INT8 form quantizes on the way, codes = round-half-even(x / scale) clamped to
+// [-127, 127], with float16 scales of one of two kinds:
+//   per token and head (contiguous scale tensors): scale = max|x| / 127 clamped to [2^-24, 65504] and
+//     rounded to float16 first, stored at the token's slot;
+//   per head (scale tensors with zero block and token strides): the head's fixed scale, nothing stored.
+// It also returns what the cache now holds (codes * scale in x's dtype), which prefill chunks attend
+// over. Bit-identical to paged_kv.quantize_kv / dequantize_kv (the oracle): the same float32 operations
+// in the same order, no fast-math.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -36,16 +39,20 @@ void check_inputs(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_
     TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, "kv write: slot ", s[t], " out of range");
 }
 
+// `fixed`: scales holds one scale per head (H,), read, never written.
 template <typename scalar_t>
-void quantize_rows(const scalar_t* x, int8_t* codes, at::Half* scales, scalar_t* out, const int64_t* slots,
-                   int64_t T, int64_t H, int64_t D) {
+void quantize_rows(const scalar_t* x, int8_t* codes, at::Half* scales, bool fixed, scalar_t* out,
+                   const int64_t* slots, int64_t T, int64_t H, int64_t D) {
   at::parallel_for(0, T * H, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / H, h = i % H;
       const scalar_t* row = x + i * D;
-      float amax = 0.f;
-      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(to_float(row[d])));
-      const at::Half s16(std::clamp(amax / 127.0f, 5.9604644775390625e-08f, 65504.0f));
+      at::Half s16 = fixed ? scales[h] : at::Half(0.f);
+      if (!fixed) {
+        float amax = 0.f;
+        for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(to_float(row[d])));
+        s16 = at::Half(std::clamp(amax / 127.0f, 5.9604644775390625e-08f, 65504.0f));
+      }
       const float s = static_cast<float>(s16);
       const int64_t dst = slots[t] * H + h;
       int8_t* c = codes + dst * D;
@@ -55,7 +62,7 @@ void quantize_rows(const scalar_t* x, int8_t* codes, at::Half* scales, scalar_t*
         c[d] = static_cast<int8_t>(q);
         o[d] = from_float<scalar_t>(q * s);
       }
-      scales[dst] = s16;
+      if (!fixed) scales[dst] = s16;
     }
   });
 }
@@ -79,8 +86,9 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   });
 }
 
-// k, v (T, Hkv, D) float -> int8 codes in k_cache / v_cache and float16 scales (num_blocks, block_size,
-// Hkv) at `slots`; returns the dequantized (T, Hkv, D) K and V.
+// k, v (T, Hkv, D) float -> int8 codes in k_cache / v_cache at `slots`, with float16 scales
+// (num_blocks, block_size, Hkv): per token (contiguous, written at `slots`) or per head (zero block and
+// token strides, read only); returns the dequantized (T, Hkv, D) K and V.
 std::tuple<at::Tensor, at::Tensor> write_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                                                  at::Tensor v_cache, at::Tensor k_scale, at::Tensor v_scale,
                                                  const at::Tensor& slots) {
@@ -88,16 +96,22 @@ std::tuple<at::Tensor, at::Tensor> write_kv_int8(const at::Tensor& k, const at::
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar, "write_kv_int8: int8 caches");
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "write_kv_int8: K and V dtypes differ");
-  for (const at::Tensor& s : {k_scale, v_scale})
-    TORCH_CHECK(s.scalar_type() == at::kHalf && s.is_contiguous() && s.numel() == num_slots * k.size(1),
-                "write_kv_int8: scales must be contiguous float16 (num_blocks, block_size, Hkv)");
+  const bool fixed = scales_per_head(k_scale);
+  for (const at::Tensor& s : {k_scale, v_scale}) {
+    TORCH_CHECK(s.scalar_type() == at::kHalf && s.dim() == 3 && s.size(0) * s.size(1) == num_slots &&
+                    s.size(2) == k.size(1),
+                "write_kv_int8: scales must be float16 (num_blocks, block_size, Hkv)");
+    TORCH_CHECK(s.is_contiguous() || scales_per_head(s), "write_kv_int8: scales must be contiguous (per token) or "
+                "an (Hkv,) vector expanded over blocks and tokens (per head)");
+    TORCH_CHECK(scales_per_head(s) == fixed, "write_kv_int8: K and V scales must be of one kind");
+  }
   at::Tensor ko = at::empty_like(k), vo = at::empty_like(v);
   const int64_t T = k.size(0), H = k.size(1), D = k.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_int8", [&] {
     const int64_t* s = slots.data_ptr<int64_t>();
-    quantize_rows(k.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), k_scale.data_ptr<at::Half>(),
+    quantize_rows(k.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), k_scale.data_ptr<at::Half>(), fixed,
                   ko.data_ptr<scalar_t>(), s, T, H, D);
-    quantize_rows(v.data_ptr<scalar_t>(), v_cache.data_ptr<int8_t>(), v_scale.data_ptr<at::Half>(),
+    quantize_rows(v.data_ptr<scalar_t>(), v_cache.data_ptr<int8_t>(), v_scale.data_ptr<at::Half>(), fixed,
                   vo.data_ptr<scalar_t>(), s, T, H, D);
   });
   return {ko, vo};

@@ -2,7 +2,8 @@
 //
 // q:            (B, Hq, D)                 one new token per sequence, RoPE applied
 // k/v_cache:    (num_blocks, block_size, Hkv, D), contiguous; q's dtype, or int8 codes
-// k/v_scale:    (num_blocks, block_size, Hkv) float16, only with int8 codes: value = code * scale
+// k/v_scale:    (num_blocks, block_size, Hkv) float16, only with int8 codes: value = code * scale;
+//               per token and head (contiguous) or per head (zero block and token strides)
 // block_tables: (B, max_blocks) int64      block ids of each sequence, in order
 // seq_lens:     (B,) int64                 context length of each sequence, the new token included
 // out:          (B, Hq, D)
@@ -12,10 +13,11 @@
 // With an INT8 cache a row's scale is applied once per row, not per element: q . (c * s) = s * (q . c),
 // and p * (c * s) = (p * s) * c.
 //
-// Two kernels: a portable one (any dtype, any head size, the INT8 cache) and, for bfloat16 q and cache
-// with a head size that is a multiple of 32 on AVX512-BF16, a fast one. The portable kernel reduced
-// every q . k horizontally, a dozen shuffles per token and query head, and at 64 sequences attention
-// took half of each decode step; the fast one dots four tokens at once and reduces them together.
+// Three kernels: a portable one (any dtype, any head size, either cache) and, on AVX-512 with a head size
+// of 64, 128 or 256, a fast one for bfloat16 q and cache and a fast one for INT8 codes. The portable
+// kernel reduced every q . k horizontally, a dozen shuffles per token and query head, and at 64
+// sequences attention took half of each decode step; the fast ones dot four tokens at once and reduce
+// them together.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -54,10 +56,11 @@ static inline float exp_minus_max(float* s, int64_t n) {
 }
 
 // kD > 0 fixes the head size at compile time (fully unrolled, vectorised inner loops); 0 = runtime size.
-// cache_t: scalar_t, or int8_t with per-(token, head) float16 scales (k_scale/v_scale non-null).
+// cache_t: scalar_t, or int8_t with float16 scales (k_scale/v_scale non-null): token t's scale of head h
+// at (t's slot) * scale_stride + h, scale_stride = Hkv per token and head, 0 per head.
 template <typename scalar_t, typename cache_t, int64_t kD>
 static void paged_decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                const at::Half* k_scale, const at::Half* v_scale,
+                                const at::Half* k_scale, const at::Half* v_scale, int64_t scale_stride,
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
                                 double scale, int64_t sliding_window) {
   const int64_t B = q.size(0), Hq = q.size(1), D = kD > 0 ? kD : q.size(2);
@@ -93,7 +96,7 @@ static void paged_decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, 
         const cache_t* kbase = kp + block * block_stride + h * D;
         for (int64_t t = std::max(t0, first), hi = std::min(t0 + block_size, len); t < hi; ++t) {
           widen(kbase + (t - t0) * token_stride, row.data(), D);
-          const float ks = k_scale ? static_cast<float>(k_scale[(block * block_size + t - t0) * Hkv + h]) : 1.f;
+          const float ks = k_scale ? static_cast<float>(k_scale[(block * block_size + t - t0) * scale_stride + h]) : 1.f;
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qf.data() + g * D;
             float s = 0.f;
@@ -116,7 +119,7 @@ static void paged_decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, 
         const cache_t* vbase = vp + block * block_stride + h * D;
         for (int64_t t = std::max(t0, first), hi = std::min(t0 + block_size, len); t < hi; ++t) {
           widen(vbase + (t - t0) * token_stride, row.data(), D);
-          const float vs = v_scale ? static_cast<float>(v_scale[(block * block_size + t - t0) * Hkv + h]) : 1.f;
+          const float vs = v_scale ? static_cast<float>(v_scale[(block * block_size + t - t0) * scale_stride + h]) : 1.f;
           for (int64_t g = 0; g < G; ++g) {
             const float p = scores[g * n + (t - first)] * vs;
             float* ag = acc.data() + g * D;
@@ -212,16 +215,107 @@ static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, co
     }
   });
 }
+
+// INT8 codes, any q dtype, D = kD a multiple of 16. Per (sequence, kv head): the context's K and V codes
+// are widened once into float32 scratch (exact), with each token's K and V scale beside them (the
+// head's fixed scale, or the token's own); then per query head g:
+//   scores: q_g . k_t in float32, four tokens per hsum4, times the token's K scale (q . (c s) = s (q . c))
+//           and the softmax scale (folded into q);
+//   values: sum_t (e_t * vs_t) * v_t in float32, normalised once at the end.
+// The portable kernel widened every row again for every query head and reduced every dot product on
+// its own: 4-17x slower than the bfloat16 kernel at 64 sequences, most of a decode step.
+template <typename scalar_t, int64_t kD>
+static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Half* k_scale, const at::Half* v_scale, int64_t scale_stride,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
+                              double scale, int64_t sliding_window) {
+  constexpr int64_t V = kD / 16;  // float vectors per row
+  const int64_t B = q.size(0), Hq = q.size(1), block_size = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
+  const int64_t token_stride = Hkv * kD;
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const int8_t* kp = k_cache.data_ptr<int8_t>();
+  const int8_t* vp = v_cache.data_ptr<int8_t>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const float fscale = static_cast<float>(scale);
+
+  // (n, kD) int8 rows at `base` + slots[i] * token_stride -> (n, kD) float32
+  auto widen_rows = [&](const int8_t* base, const std::vector<int64_t>& slots, int64_t n, float* dst) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int8_t* row = base + slots[i] * token_stride;
+      for (int64_t v = 0; v < V; ++v)
+        _mm512_storeu_ps(dst + i * kD + 16 * v, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v)))));
+    }
+  };
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> slots;
+    std::vector<float> kf, vf, ks, vs, scores, qf(kD);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t len = lens[b];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      const int64_t n = len - first;
+      slots.resize(n);
+      ks.resize(n);
+      vs.resize(n);
+      for (int64_t t = first; t < len; ++t) {
+        const int64_t slot = bt[b * max_blocks + t / block_size] * block_size + t % block_size;
+        slots[t - first] = slot;
+        ks[t - first] = static_cast<float>(k_scale[slot * scale_stride + h]);
+        vs[t - first] = static_cast<float>(v_scale[slot * scale_stride + h]);
+      }
+      kf.resize(n * kD);
+      vf.resize(n * kD);
+      widen_rows(kp + h * kD, slots, n, kf.data());
+      widen_rows(vp + h * kD, slots, n, vf.data());
+      scores.resize(n);
+      for (int64_t g = 0; g < G; ++g) {
+        const scalar_t* qg = qp + (b * Hq + h * G + g) * kD;
+        for (int64_t d = 0; d < kD; ++d) qf[d] = to_float(qg[d]) * fscale;
+        __m512 qv[V];
+        for (int64_t v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(qf.data() + 16 * v);
+        auto dot = [&](int64_t i) {
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(kf.data() + i * kD), qv[0]);
+          for (int64_t v = 1; v < V; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(kf.data() + i * kD + 16 * v), qv[v], a);
+          return a;
+        };
+        float* sc = scores.data();
+        int64_t i = 0;
+        for (; i + 4 <= n; i += 4)
+          _mm_storeu_ps(sc + i, _mm_mul_ps(hsum4(dot(i), dot(i + 1), dot(i + 2), dot(i + 3)), _mm_loadu_ps(ks.data() + i)));
+        for (; i < n; ++i) sc[i] = _mm512_reduce_add_ps(dot(i)) * ks[i];
+        const float sum = exp_minus_max(sc, n);
+        __m512 acc[V];
+        for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; ++j) {
+          const __m512 p = _mm512_set1_ps(sc[j] * vs[j]);
+          for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vf.data() + j * kD + 16 * v), acc[v]);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / sum);
+        scalar_t* og = op + (b * Hq + h * G + g) * kD;
+        for (int64_t v = 0; v < V; ++v) {
+          alignas(64) float o[16];
+          _mm512_store_ps(o, _mm512_mul_ps(acc[v], inv));
+          for (int j = 0; j < 16; ++j) og[16 * v + j] = from_float<scalar_t>(o[j]);
+        }
+      }
+    }
+  });
+}
 #endif  // TOKENLOOM_PAGED_BF16
 
 template <typename scalar_t, typename cache_t>
 static void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                              const at::Half* ks, const at::Half* vs, const at::Tensor& bt, const at::Tensor& lens,
-                              at::Tensor& out, double scale, int64_t sliding_window) {
+                              const at::Half* ks, const at::Half* vs, int64_t ss, const at::Tensor& bt,
+                              const at::Tensor& lens, at::Tensor& out, double scale, int64_t sliding_window) {
   switch (q.size(2)) {
-    case 64: paged_decode_kernel<scalar_t, cache_t, 64>(q, k_cache, v_cache, ks, vs, bt, lens, out, scale, sliding_window); break;
-    case 128: paged_decode_kernel<scalar_t, cache_t, 128>(q, k_cache, v_cache, ks, vs, bt, lens, out, scale, sliding_window); break;
-    default: paged_decode_kernel<scalar_t, cache_t, 0>(q, k_cache, v_cache, ks, vs, bt, lens, out, scale, sliding_window);
+    case 64: paged_decode_kernel<scalar_t, cache_t, 64>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window); break;
+    case 128: paged_decode_kernel<scalar_t, cache_t, 128>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window); break;
+    default: paged_decode_kernel<scalar_t, cache_t, 0>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window);
   }
 }
 
@@ -235,11 +329,15 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const bool int8 = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(int8 || q.scalar_type() == k_cache.scalar_type(), "paged_decode: q and cache dtypes differ");
   TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()), "paged_decode: scales go with an int8 cache");
+  const bool per_head = int8 && scales_per_head(*k_scale);
   if (int8) {
-    for (const at::Tensor& s : {*k_scale, *v_scale})
-      TORCH_CHECK(s.scalar_type() == at::kHalf && s.is_contiguous() && s.dim() == 3 &&
-                      s.size(0) == k_cache.size(0) && s.size(1) == k_cache.size(1) && s.size(2) == k_cache.size(2),
-                  "paged_decode: scales must be contiguous float16 (num_blocks, block_size, Hkv)");
+    for (const at::Tensor& s : {*k_scale, *v_scale}) {
+      TORCH_CHECK(s.scalar_type() == at::kHalf && s.dim() == 3 && s.size(0) == k_cache.size(0) &&
+                      s.size(1) == k_cache.size(1) && s.size(2) == k_cache.size(2),
+                  "paged_decode: scales must be float16 (num_blocks, block_size, Hkv)");
+      TORCH_CHECK(per_head ? scales_per_head(s) : s.is_contiguous(),
+                  "paged_decode: K and V scales must both be contiguous (per token) or both per head");
+    }
   }
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_decode: query heads not a multiple of kv heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "paged_decode: int64 tables");
@@ -258,11 +356,22 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
     }
   }
 #endif
+  const int64_t ss = per_head ? 0 : k_cache.size(2);  // scale of token slot s, head h: [s * ss + h]
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+#ifdef TOKENLOOM_PAGED_BF16
+    if (int8) {
+      switch (q.size(2)) {
+        case 64: return paged_decode_int8<scalar_t, 64>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window);
+        case 128: return paged_decode_int8<scalar_t, 128>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window);
+        case 256: return paged_decode_int8<scalar_t, 256>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window);
+        default: break;  // other head sizes: the portable kernel
+      }
+    }
+#endif
     if (int8)
-      dispatch_head_dim<scalar_t, int8_t>(q, k_cache, v_cache, ks, vs, bt, lens, out, scale, sliding_window);
+      dispatch_head_dim<scalar_t, int8_t>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window);
     else
-      dispatch_head_dim<scalar_t, scalar_t>(q, k_cache, v_cache, ks, vs, bt, lens, out, scale, sliding_window);
+      dispatch_head_dim<scalar_t, scalar_t>(q, k_cache, v_cache, ks, vs, 0, bt, lens, out, scale, sliding_window);
   });
   return out;
 }
