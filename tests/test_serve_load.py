@@ -79,6 +79,7 @@ def test_50_cancelled_streams_free_everything(live_server: LiveServer) -> None:
         async with httpx.AsyncClient(base_url=live_server.url, timeout=60) as c:
             await asyncio.gather(*(cancel(c) for _ in range(50)))
 
+    before = scrape(live_server.url)
     asyncio.run(main())
     deadline = time.monotonic() + 30
     m = scrape(live_server.url)
@@ -86,7 +87,13 @@ def test_50_cancelled_streams_free_everything(live_server: LiveServer) -> None:
         time.sleep(0.1)
         m = scrape(live_server.url)
     assert m["tokenloom:num_requests_running{}"] == 0 and m["tokenloom:kv_cache_usage_perc{}"] == 0
-    assert m["tokenloom:request_success_total{finished_reason=abort}"] >= 50
+    # Every stream ended. A stream can finish its 200 tokens before the server notices the hang-up (the
+    # tiny model decodes ~50 streams at a few ms per step; seen once on a loaded machine: 49 of 50
+    # aborted), and then counts as "length": most must have been aborted, none may be left over.
+    ended = {reason: m.get(f"tokenloom:request_success_total{{finished_reason={reason}}}", 0)
+             - before.get(f"tokenloom:request_success_total{{finished_reason={reason}}}", 0)
+             for reason in ("abort", "length", "stop")}
+    assert sum(ended.values()) == 50 and ended["abort"] >= 25, ended
     r = httpx.post(live_server.url + "/v1/completions", json={"model": "tiny", "prompt": "next", "max_tokens": 3})
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
 
