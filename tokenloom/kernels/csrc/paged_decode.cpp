@@ -223,7 +223,8 @@ static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, co
 //           and the softmax scale (folded into q);
 //   values: sum_t (e_t * vs_t) * v_t in float32, normalised once at the end.
 // The portable kernel widened every row again for every query head and reduced every dot product on
-// its own: 4-17x slower than the bfloat16 kernel at 64 sequences, most of a decode step.
+// its own: at 64 sequences of 192 tokens (SmolLM2's 9/3 heads of 64) 0.84 ms per layer against this
+// kernel's 0.58 (medians of three interleaved runs; a bfloat16 cache takes 0.38).
 template <typename scalar_t, int64_t kD>
 static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Half* k_scale, const at::Half* v_scale, int64_t scale_stride,
