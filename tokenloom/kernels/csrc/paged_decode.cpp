@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
@@ -136,18 +137,65 @@ static void paged_decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, 
 }
 
 #ifdef TOKENLOOM_PAGED_BF16
-// bfloat16 q and cache, D = kD a multiple of 32. Per (sequence, kv head) and query head g:
+// One query head g of one (sequence, kv head) over n context tokens whose K and V rows are bfloat16 at
+// krow(i), vrow(i) (D = kD a multiple of 32):
 //   scores: q_g . k_t by vdpbf16ps (bf16 products are exact in float32), four tokens per hsum4, times
-//           the softmax scale;
+//           the softmax scale (and with kScaled each token's K scale ks[t]: q . (c s) = s (q . c));
 //   softmax: float32, normalised once at the end (out = sum_t e_t v_t / sum_t e_t);
 //   values: each bf16 row of V splits into its even and odd elements as float32 (a shift and a mask),
-//           which accumulate apart and are interleaved back once.
-// The G query heads re-read the sequence's K and V rows of this head from cache, not from memory.
+//           which accumulate apart (weighted e_t, or e_t vs[t] with kScaled) and are interleaved back once.
+// `sc` is scratch for n scores.
+template <int64_t kD, bool kScaled, typename KRow, typename VRow>
+static inline void attend_head_bf16(const c10::BFloat16* qg, KRow krow, VRow vrow, const float* ks, const float* vs,
+                                    int64_t n, float fscale, float* sc, c10::BFloat16* og) {
+  constexpr int64_t V = kD / 32;  // 512-bit vectors per bf16 row
+  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m512bh qv[V];
+  for (int64_t v = 0; v < V; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(qg + 32 * v);
+  auto dot = [&](int64_t i) {
+    const c10::BFloat16* k = krow(i);
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t v = 0; v < V; ++v) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(k + 32 * v), qv[v]);
+    return a;
+  };
+  const __m128 fs = _mm_set1_ps(fscale);
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    __m128 s4 = _mm_mul_ps(hsum4(dot(i), dot(i + 1), dot(i + 2), dot(i + 3)), fs);
+    if constexpr (kScaled) s4 = _mm_mul_ps(s4, _mm_loadu_ps(ks + i));
+    _mm_storeu_ps(sc + i, s4);
+  }
+  for (; i < n; ++i) sc[i] = _mm512_reduce_add_ps(dot(i)) * fscale * (kScaled ? ks[i] : 1.f);
+  const float sum = exp_minus_max(sc, n);
+  __m512 even[V], odd[V];
+  for (int64_t v = 0; v < V; ++v) even[v] = odd[v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 p = _mm512_set1_ps(kScaled ? sc[j] * vs[j] : sc[j]);
+    const c10::BFloat16* row = vrow(j);
+    for (int64_t v = 0; v < V; ++v) {
+      const __m512i x = _mm512_loadu_si512(row + 32 * v);
+      even[v] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), even[v]);
+      odd[v] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_and_si512(x, odd_mask)), odd[v]);
+    }
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / sum);
+  for (int64_t v = 0; v < V; ++v) {
+    alignas(64) float e[16], o[16];
+    _mm512_store_ps(e, _mm512_mul_ps(even[v], inv));
+    _mm512_store_ps(o, _mm512_mul_ps(odd[v], inv));
+    for (int j = 0; j < 16; ++j) {  // bf16 lane pair j of the row: elements 2j (low half), 2j + 1
+      og[32 * v + 2 * j] = from_float<c10::BFloat16>(e[j]);
+      og[32 * v + 2 * j + 1] = from_float<c10::BFloat16>(o[j]);
+    }
+  }
+}
+
+// bfloat16 q and cache, D = kD a multiple of 32: each (sequence, kv head) reads its K/V rows in place;
+// the G query heads re-read them from cache, not from memory.
 template <int64_t kD>
 static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
                               double scale, int64_t sliding_window) {
-  constexpr int64_t V = kD / 32;  // 512-bit vectors per bf16 row
   const int64_t B = q.size(0), Hq = q.size(1), block_size = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
   const int64_t token_stride = Hkv * kD;
@@ -158,7 +206,6 @@ static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, co
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   auto* op = out.data_ptr<c10::BFloat16>();
   const float fscale = static_cast<float>(scale);
-  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> rows;  // offset of each context token's K/V row of this head
@@ -174,62 +221,32 @@ static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, co
         rows[t - first] = slot * token_stride + h * kD;
       }
       scores.resize(n);
-      for (int64_t g = 0; g < G; ++g) {
-        const c10::BFloat16* qg = qp + (b * Hq + h * G + g) * kD;
-        __m512bh qv[V];
-        for (int64_t v = 0; v < V; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(qg + 32 * v);
-        auto dot = [&](int64_t i) {
-          __m512 a = _mm512_setzero_ps();
-          for (int64_t v = 0; v < V; ++v)
-            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(kp + rows[i] + 32 * v), qv[v]);
-          return a;
-        };
-        float* sc = scores.data();
-        int64_t i = 0;
-        for (; i + 4 <= n; i += 4)
-          _mm_storeu_ps(sc + i, _mm_mul_ps(hsum4(dot(i), dot(i + 1), dot(i + 2), dot(i + 3)), _mm_set1_ps(fscale)));
-        for (; i < n; ++i) sc[i] = _mm512_reduce_add_ps(dot(i)) * fscale;
-        const float sum = exp_minus_max(sc, n);
-        __m512 even[V], odd[V];
-        for (int64_t v = 0; v < V; ++v) even[v] = odd[v] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; ++j) {
-          const __m512 p = _mm512_set1_ps(sc[j]);
-          for (int64_t v = 0; v < V; ++v) {
-            const __m512i row = _mm512_loadu_si512(vp + rows[j] + 32 * v);
-            even[v] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(row, 16)), even[v]);
-            odd[v] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_and_si512(row, odd_mask)), odd[v]);
-          }
-        }
-        const __m512 inv = _mm512_set1_ps(1.f / sum);
-        c10::BFloat16* og = op + (b * Hq + h * G + g) * kD;
-        for (int64_t v = 0; v < V; ++v) {
-          alignas(64) float e[16], o[16];
-          _mm512_store_ps(e, _mm512_mul_ps(even[v], inv));
-          _mm512_store_ps(o, _mm512_mul_ps(odd[v], inv));
-          for (int j = 0; j < 16; ++j) {  // bf16 lane pair j of the row: elements 2j (low half), 2j + 1
-            og[32 * v + 2 * j] = from_float<c10::BFloat16>(e[j]);
-            og[32 * v + 2 * j + 1] = from_float<c10::BFloat16>(o[j]);
-          }
-        }
-      }
+      auto krow = [&](int64_t i) { return kp + rows[i]; };
+      auto vrow = [&](int64_t i) { return vp + rows[i]; };
+      for (int64_t g = 0; g < G; ++g)
+        attend_head_bf16<kD, false>(qp + (b * Hq + h * G + g) * kD, krow, vrow, nullptr, nullptr, n, fscale,
+                                    scores.data(), op + (b * Hq + h * G + g) * kD);
     }
   });
 }
 
-// INT8 codes, any q dtype, D = kD a multiple of 16. Per (sequence, kv head): the context's K and V codes
-// are widened once into float32 scratch (exact), with each token's K and V scale beside them (the
-// head's fixed scale, or the token's own); then per query head g:
-//   scores: q_g . k_t in float32, four tokens per hsum4, times the token's K scale (q . (c s) = s (q . c))
-//           and the softmax scale (folded into q);
-//   values: sum_t (e_t * vs_t) * v_t in float32, normalised once at the end.
+// INT8 codes, D = kD a multiple of 32. Per (sequence, kv head): the context's K and V codes are widened
+// once into scratch, exactly (8-bit integers fit the 8-bit significand of bfloat16 and float32), with each
+// token's K and V scale beside them (the head's fixed scale, or the token's own); then per query head:
+//   bfloat16 q: the bfloat16 kernel's arithmetic over the scratch rows (attend_head_bf16, scaled);
+//   other q dtypes: float32 rows, q . k by FMAs, four tokens per hsum4, times the token's K scale;
+//           values sum_t (e_t vs_t) v_t, normalised once at the end.
 // The portable kernel widened every row again for every query head and reduced every dot product on
-// its own: at 64 sequences of 192 tokens (SmolLM2's 9/3 heads of 64) 0.84 ms per layer against this
-// kernel's 0.58 (medians of three interleaved runs; a bfloat16 cache takes 0.38).
+// its own: at 64 sequences of 192 tokens (SmolLM2's 9/3 heads of 64), bfloat16 q, it took 0.75 ms per
+// layer against 0.39 here and 0.35 for a bfloat16 cache (medians of five runs alternating with the
+// previous build); float32 scratch rows instead of bfloat16 took 1.3x as long (0.42 against 0.32 ms).
 template <typename scalar_t, int64_t kD>
 static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Half* k_scale, const at::Half* v_scale, int64_t scale_stride,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
                               double scale, int64_t sliding_window) {
+  constexpr bool kBF16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  using row_t = std::conditional_t<kBF16, c10::BFloat16, float>;  // what the codes widen to
   constexpr int64_t V = kD / 16;  // float vectors per row
   const int64_t B = q.size(0), Hq = q.size(1), block_size = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
@@ -242,19 +259,27 @@ static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, co
   scalar_t* op = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
 
-  // (n, kD) int8 rows at `base` + slots[i] * token_stride -> (n, kD) float32
-  auto widen_rows = [&](const int8_t* base, const std::vector<int64_t>& slots, int64_t n, float* dst) {
+  // (n, kD) int8 rows at `base` + slots[i] * token_stride -> (n, kD) row_t
+  auto widen_rows = [&](const int8_t* base, const std::vector<int64_t>& slots, int64_t n, row_t* dst) {
     for (int64_t i = 0; i < n; ++i) {
       const int8_t* row = base + slots[i] * token_stride;
-      for (int64_t v = 0; v < V; ++v)
-        _mm512_storeu_ps(dst + i * kD + 16 * v, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v)))));
+      for (int64_t v = 0; v < V; v += 2) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v + 16))));
+        if constexpr (kBF16) {
+          _mm512_storeu_si512(dst + i * kD + 16 * v, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        } else {
+          _mm512_storeu_ps(dst + i * kD + 16 * v, lo);
+          _mm512_storeu_ps(dst + i * kD + 16 * v + 16, hi);
+        }
+      }
     }
   };
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> slots;
-    std::vector<float> kf, vf, ks, vs, scores, qf(kD);
+    std::vector<row_t> kf, vf;
+    std::vector<float> ks, vs, scores, qf(kD);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
       const int64_t len = lens[b];
@@ -274,34 +299,44 @@ static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, co
       widen_rows(kp + h * kD, slots, n, kf.data());
       widen_rows(vp + h * kD, slots, n, vf.data());
       scores.resize(n);
-      for (int64_t g = 0; g < G; ++g) {
-        const scalar_t* qg = qp + (b * Hq + h * G + g) * kD;
-        for (int64_t d = 0; d < kD; ++d) qf[d] = to_float(qg[d]) * fscale;
-        __m512 qv[V];
-        for (int64_t v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(qf.data() + 16 * v);
-        auto dot = [&](int64_t i) {
-          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(kf.data() + i * kD), qv[0]);
-          for (int64_t v = 1; v < V; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(kf.data() + i * kD + 16 * v), qv[v], a);
-          return a;
-        };
-        float* sc = scores.data();
-        int64_t i = 0;
-        for (; i + 4 <= n; i += 4)
-          _mm_storeu_ps(sc + i, _mm_mul_ps(hsum4(dot(i), dot(i + 1), dot(i + 2), dot(i + 3)), _mm_loadu_ps(ks.data() + i)));
-        for (; i < n; ++i) sc[i] = _mm512_reduce_add_ps(dot(i)) * ks[i];
-        const float sum = exp_minus_max(sc, n);
-        __m512 acc[V];
-        for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; ++j) {
-          const __m512 p = _mm512_set1_ps(sc[j] * vs[j]);
-          for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vf.data() + j * kD + 16 * v), acc[v]);
-        }
-        const __m512 inv = _mm512_set1_ps(1.f / sum);
-        scalar_t* og = op + (b * Hq + h * G + g) * kD;
-        for (int64_t v = 0; v < V; ++v) {
-          alignas(64) float o[16];
-          _mm512_store_ps(o, _mm512_mul_ps(acc[v], inv));
-          for (int j = 0; j < 16; ++j) og[16 * v + j] = from_float<scalar_t>(o[j]);
+      if constexpr (kBF16) {
+        auto krow = [&](int64_t i) { return kf.data() + i * kD; };
+        auto vrow = [&](int64_t i) { return vf.data() + i * kD; };
+        for (int64_t g = 0; g < G; ++g)
+          attend_head_bf16<kD, true>(qp + (b * Hq + h * G + g) * kD, krow, vrow, ks.data(), vs.data(), n, fscale,
+                                     scores.data(), op + (b * Hq + h * G + g) * kD);
+      } else {
+        for (int64_t g = 0; g < G; ++g) {
+          const scalar_t* qg = qp + (b * Hq + h * G + g) * kD;
+          for (int64_t d = 0; d < kD; ++d) qf[d] = to_float(qg[d]) * fscale;
+          __m512 qv[V];
+          for (int64_t v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(qf.data() + 16 * v);
+          auto dot = [&](int64_t i) {
+            const float* k = kf.data() + i * kD;
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(k), qv[0]);
+            for (int64_t v = 1; v < V; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(k + 16 * v), qv[v], a);
+            return a;
+          };
+          float* sc = scores.data();
+          int64_t i = 0;
+          for (; i + 4 <= n; i += 4)
+            _mm_storeu_ps(sc + i, _mm_mul_ps(hsum4(dot(i), dot(i + 1), dot(i + 2), dot(i + 3)), _mm_loadu_ps(ks.data() + i)));
+          for (; i < n; ++i) sc[i] = _mm512_reduce_add_ps(dot(i)) * ks[i];
+          const float sum = exp_minus_max(sc, n);
+          __m512 acc[V];
+          for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
+          for (int64_t j = 0; j < n; ++j) {
+            const __m512 p = _mm512_set1_ps(sc[j] * vs[j]);
+            const float* row = vf.data() + j * kD;
+            for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(row + 16 * v), acc[v]);
+          }
+          const __m512 inv = _mm512_set1_ps(1.f / sum);
+          scalar_t* og = op + (b * Hq + h * G + g) * kD;
+          for (int64_t v = 0; v < V; ++v) {
+            alignas(64) float o[16];
+            _mm512_store_ps(o, _mm512_mul_ps(acc[v], inv));
+            for (int j = 0; j < 16; ++j) og[16 * v + j] = from_float<scalar_t>(o[j]);
+          }
         }
       }
     }
