@@ -2,9 +2,9 @@
 
 A per-head scale costs nothing per token, so the cache holds exactly twice the tokens of a 16-bit one,
 but it must be fixed before the first request writes a code. The engine runs one prefill of a built-in
-text (as fixed-length prompts, one batch) through the model into a temporary float cache and takes, per layer and KV head, the largest |K|
-and |V| the text produced (K after RoPE, as the cache stores it), times a headroom for inputs that
-reach further; values beyond saturate at +-127 codes. K and V of a head are products of fixed
+text (as fixed-length prompts, one batch) through the model into a temporary float cache and takes,
+per layer and KV head, the largest |K| and |V| the text produced (K after RoPE, as the cache stores
+it), times a headroom for inputs that reach further; values beyond saturate at +-127 codes. K and V of a head are products of fixed
 projections and RMS-normalised inputs, so their range depends on the model far more than on the text.
 
 The text mixes prose, a dialogue in the model's chat template, code, numbers and five languages besides
