@@ -137,6 +137,15 @@ static void paged_decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, 
 }
 
 #ifdef TOKENLOOM_PAGED_BF16
+// The cache slots of sequence b's attended context, in order: tokens [first, len) with first = len -
+// sliding_window (0 without a window); slots (len - first,).
+static inline void context_slots(const int64_t* bt, int64_t max_blocks, int64_t block_size, int64_t b, int64_t len,
+                                 int64_t sliding_window, std::vector<int64_t>& slots) {
+  const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+  slots.resize(len - first);
+  for (int64_t t = first; t < len; ++t) slots[t - first] = bt[b * max_blocks + t / block_size] * block_size + t % block_size;
+}
+
 // One query head g of one (sequence, kv head) over n context tokens whose K and V rows are bfloat16 at
 // krow(i), vrow(i) (D = kD a multiple of 32):
 //   scores: q_g . k_t by vdpbf16ps (bf16 products are exact in float32), four tokens per hsum4, times
@@ -208,21 +217,15 @@ static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, co
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> rows;  // offset of each context token's K/V row of this head
+    std::vector<int64_t> slots;
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
-      const int64_t len = lens[b];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-      const int64_t n = len - first;
-      rows.resize(n);
-      for (int64_t t = first; t < len; ++t) {
-        const int64_t slot = bt[b * max_blocks + t / block_size] * block_size + t % block_size;
-        rows[t - first] = slot * token_stride + h * kD;
-      }
+      context_slots(bt, max_blocks, block_size, b, lens[b], sliding_window, slots);
+      const int64_t n = static_cast<int64_t>(slots.size());
       scores.resize(n);
-      auto krow = [&](int64_t i) { return kp + rows[i]; };
-      auto vrow = [&](int64_t i) { return vp + rows[i]; };
+      auto krow = [&](int64_t i) { return kp + slots[i] * token_stride + h * kD; };
+      auto vrow = [&](int64_t i) { return vp + slots[i] * token_stride + h * kD; };
       for (int64_t g = 0; g < G; ++g)
         attend_head_bf16<kD, false>(qp + (b * Hq + h * G + g) * kD, krow, vrow, nullptr, nullptr, n, fscale,
                                     scores.data(), op + (b * Hq + h * G + g) * kD);
@@ -282,17 +285,13 @@ static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, co
     std::vector<float> ks, vs, scores, qf(kD);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
-      const int64_t len = lens[b];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-      const int64_t n = len - first;
-      slots.resize(n);
+      context_slots(bt, max_blocks, block_size, b, lens[b], sliding_window, slots);
+      const int64_t n = static_cast<int64_t>(slots.size());
       ks.resize(n);
       vs.resize(n);
-      for (int64_t t = first; t < len; ++t) {
-        const int64_t slot = bt[b * max_blocks + t / block_size] * block_size + t % block_size;
-        slots[t - first] = slot;
-        ks[t - first] = static_cast<float>(k_scale[slot * scale_stride + h]);
-        vs[t - first] = static_cast<float>(v_scale[slot * scale_stride + h]);
+      for (int64_t i = 0; i < n; ++i) {
+        ks[i] = static_cast<float>(k_scale[slots[i] * scale_stride + h]);
+        vs[i] = static_cast<float>(v_scale[slots[i] * scale_stride + h]);
       }
       kf.resize(n * kD);
       vf.resize(n * kD);
