@@ -131,9 +131,65 @@ def test_few_row_int8_kernel_quantizes_x_per_64_inputs(rows: int, case: str) -> 
     assert not torch.allclose(got, exact, **tol)  # so the oracle, not float x, is what it computes
 
 
+def _few_rows_int4_oracle(lin: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    """float64 model of the few-row int4 kernel: x quantized per 32 inputs to round(x / dx), dx = max |x|
+    / 127 (float32, as the kernel), times the dequantized weight: exact up to float32 accumulation."""
+    m, k = x.shape
+    xg = x.float().reshape(m, k // 32, 32)
+    dx = xg.abs().amax(-1) / 127
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    xhat = (torch.round(xg * inv[..., None]) * dx[..., None]).reshape(m, k)
+    bias = 0 if lin.bias is None else lin.bias.double()
+    return xhat.double() @ lin.dequantize().double().T + bias
+
+
+@pytest.mark.skipif(load_quant_kernels() is None, reason="needs the AVX512 quantized kernels")
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("n,k,group", [(45, 576, 32), (45, 576, 64), (16, 1536, 128), (7, 96, 32)])
+def test_few_row_int4_kernel_quantizes_x_per_32_inputs(rows: int, n: int, k: int, group: int) -> None:
+    """The few-row int4 path multiplies int8 x by the codes (vpdpbusd, 16 output channels per vector; 45
+    and 7 leave a partial block): it must match the oracle of that arithmetic to bf16 output rounding,
+    tighter than it matches float x."""
+    torch.manual_seed(3)
+    lin = Int4Linear.from_linear(_linear(n, k, bias=True), group)
+    x = torch.randn(rows, k).bfloat16()
+    x[:, 5] = 40.0  # an outlier input: its 32 neighbours get a coarse step
+    got = lin(x).double()
+    oracle, exact = _few_rows_int4_oracle(lin, x), lin.reference(x).double()
+    tol = dict(rtol=2**-8, atol=1e-4 * oracle.abs().max().item())
+    torch.testing.assert_close(got, oracle, **tol)
+    assert not torch.allclose(got, exact, **tol)
+
+
+def test_int4_layout_puts_16_channels_of_8_inputs_in_one_64_byte_step() -> None:
+    """Layout 3 (quant/layout.py), checked byte by byte against its definition, with a partial last block."""
+    from tokenloom.quant.layout import int4_scales_from_kernel, int4_scales_to_kernel, int4_to_kernel
+
+    torch.manual_seed(4)
+    n, k = 37, 96  # blocks of 16, 16 and 5 channels; K padded to 128
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    qp = torch.cat([q, q.new_zeros(n, 32)], dim=1)
+    flat = int4_to_kernel(q).reshape(-1).tolist()
+    for b0 in range(0, n, 16):
+        r = min(16, n - b0)
+        for s in range(128 // 8):
+            for j in range(r):
+                for c in range(4):
+                    want = int(qp[b0 + j, 8 * s + c]) | int(qp[b0 + j, 8 * s + 4 + c]) << 4
+                    assert flat[b0 * 64 + s * 4 * r + 4 * j + c] == want
+    d = torch.randn(n, 3).half()
+    blocked = int4_scales_to_kernel(d)
+    assert blocked.shape == (n, 3) and torch.equal(int4_scales_from_kernel(blocked), d)
+    bflat = blocked.reshape(-1)
+    for b0 in range(0, n, 16):
+        r = min(16, n - b0)
+        for t in range(3):
+            assert torch.equal(bflat[b0 * 3 + t * r:b0 * 3 + (t + 1) * r], d[b0:b0 + r, t])
+
+
 def test_code_layout_keeps_each_four_byte_lane_in_one_block() -> None:
-    """vpdpbusd sums bytes 4j..4j+3 into int32 lane j; with 32-input scale groups those four must be
-    consecutive inputs of block j % 2, or one lane would mix two scales."""
+    """int8: vpdpbusd sums bytes 4j..4j+3 into int32 lane j; with 32-input scale groups those four must
+    be consecutive inputs of block j % 2, or one lane would mix two scales."""
     from tokenloom.quant.layout import CHUNK_ORDERS, LAYOUT_VERSION
 
     order = CHUNK_ORDERS[LAYOUT_VERSION]
@@ -146,9 +202,11 @@ def test_code_layout_keeps_each_four_byte_lane_in_one_block() -> None:
 def test_kernel_layout_round_trips() -> None:
     q4 = torch.randint(0, 16, (5, 96), dtype=torch.uint8)
     q8 = torch.randint(-128, 128, (5, 100), dtype=torch.int8)
-    l4 = Int4Linear.from_codes(q4, torch.ones(5, 3).half(), torch.zeros(5, 3).half())
+    d4, m4 = torch.rand(5, 3).half(), torch.randn(5, 3).half()
+    l4 = Int4Linear.from_codes(q4, d4, m4)
     l8 = Int8Linear.from_codes(q8, torch.ones(5, 1).half())
     assert torch.equal(l4.codes_as_int(), q4) and l4.codes.shape == (5, 64)
+    assert all(torch.equal(a, b) for a, b in zip(l4.group_params(), (d4, m4)))
     assert torch.equal(l8.codes_as_int(), q8) and l8.codes.shape == (5, 128)
 
 

@@ -12,7 +12,8 @@ import torch
 from tokenloom import LLM, SamplingParams
 from tokenloom.cli import main
 from tokenloom.quant import weight_only
-from tokenloom.quant.layout import LAYOUT_VERSION, int4_from_kernel, int4_to_kernel, int8_from_kernel, int8_to_kernel
+from tokenloom.quant.layout import (LAYOUT_VERSION, int4_from_kernel, int4_scales_from_kernel, int4_to_kernel,
+                                    int8_from_kernel, int8_to_kernel)
 from tokenloom.quant.linear import QuantLinear
 
 
@@ -42,7 +43,9 @@ def test_saved_checkpoint_matches_on_the_fly_quantization(
     assert fly_layers.keys() == saved_layers.keys() and "lm_head" in saved_layers
     for name, layer in fly_layers.items():
         assert type(layer) is type(saved_layers[name])
-        assert torch.equal(layer.codes, saved_layers[name].codes) and torch.equal(layer.scales, saved_layers[name].scales)
+        other = saved_layers[name]
+        assert torch.equal(layer.codes, other.codes) and torch.equal(layer.scales, other.scales)
+        assert (layer.mins is None and other.mins is None) or torch.equal(layer.mins, other.mins)
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     x, y = fly.generate(["The quick brown fox"], sp)[0].outputs[0], saved.generate(["The quick brown fox"], sp)[0].outputs[0]
     assert x.token_ids == y.token_ids
@@ -70,9 +73,12 @@ def test_unknown_quant_method_is_refused(tiny_llama: Path, tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_a_checkpoint_in_the_first_code_layout_is_relaid_on_load(tiny_llama: Path, tmp_path: Path, method: str) -> None:
-    """Checkpoints written before "code_layout" existed hold layout 1; loading them must give the same
-    layers as today's, not silently wrong products."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_checkpoint_in_an_older_code_layout_is_relaid_on_load(tiny_llama: Path, tmp_path: Path, method: str,
+                                                                 version: int) -> None:
+    """Checkpoints written before "code_layout" existed hold layout 1, and those of layout 2 keep int4
+    rows apart with plain scales; loading them must give the same layers as today's, not silently wrong
+    products."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -84,7 +90,10 @@ def test_a_checkpoint_in_the_first_code_layout_is_relaid_on_load(tiny_llama: Pat
                  "--quant-group-size", "32"]) == 0
     shutil.copytree(new, old)
     cfg = json.loads((old / "config.json").read_text())
-    del cfg["quantization_config"]["code_layout"]
+    if version == 1:
+        del cfg["quantization_config"]["code_layout"]
+    else:
+        cfg["quantization_config"]["code_layout"] = version
     (old / "config.json").write_text(json.dumps(cfg))
     kw = dict(kv_cache_memory="8MiB", max_model_len=256)
     model = LLM(str(new), **kw).engine.loaded.model
@@ -95,17 +104,21 @@ def test_a_checkpoint_in_the_first_code_layout_is_relaid_on_load(tiny_llama: Pat
         layer = layers[key.removesuffix(".codes").removeprefix("model.")]
         k = layer.in_features
         if tensors[key].dtype == torch.int8:
-            v1 = int8_to_kernel(int8_from_kernel(tensors[key], k), version=1)
+            older = int8_to_kernel(int8_from_kernel(tensors[key], k), version=version)
         else:
-            v1 = int4_to_kernel(int4_from_kernel(tensors[key], k), version=1)
-        changed += int(not torch.equal(v1, tensors[key]))
-        tensors[key] = v1
-    assert changed > 0
+            older = int4_to_kernel(int4_from_kernel(tensors[key], k), version=version)
+            for part in ("scales", "mins"):  # plain (N, G) before layout 3
+                part_key = key.removesuffix("codes") + part
+                tensors[part_key] = int4_scales_from_kernel(tensors[part_key])
+        changed += int(not torch.equal(older, tensors[key]))
+        tensors[key] = older
+    assert changed > 0 or (method, version) == ("int8", 2)  # layout 3 changed int4 only
     save_file(tensors, str(old / "model.safetensors"), metadata={"format": "pt"})
     relaid = {n: m for n, m in LLM(str(old), **kw).engine.loaded.model.named_modules() if isinstance(m, QuantLinear)}
     assert relaid.keys() == layers.keys()
     for name, layer in layers.items():
-        assert torch.equal(layer.codes, relaid[name].codes)
+        assert torch.equal(layer.codes, relaid[name].codes) and torch.equal(layer.scales, relaid[name].scales)
+        assert (layer.mins is None and relaid[name].mins is None) or torch.equal(layer.mins, relaid[name].mins)
 
     cfg["quantization_config"]["code_layout"] = 99
     (old / "config.json").write_text(json.dumps(cfg))

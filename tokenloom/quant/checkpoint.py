@@ -5,7 +5,7 @@ The folder holds config.json (with `"quantization_config": {"quant_method": "tok
 generation_config.json.
 A quantized layer is stored under its module path in tokenloom's model ("model.layers.0.self_attn.
 qkv_proj", fused as the engine runs it; "lm_head") as `.codes` (the kernels' layout, quant/layout.py),
-`.scales`, `.mins` (int4) and `.bias`; every other tensor under its Hugging Face name. "code_layout"
+`.scales`, `.mins` (int4; in the kernels' layout too) and `.bias`; every other tensor under its Hugging Face name. "code_layout"
 is quant/layout.py's LAYOUT_VERSION (absent: 1); codes of an older layout are re-laid out on load. The
 loader builds the quantized layers from those buffers directly: no float weight, no re-quantization.
 The layers are exactly the ones `--quantization` builds at load from the same model and flags.
@@ -25,7 +25,7 @@ from torch import nn
 
 from tokenloom.errors import ConfigError, ModelLoadError
 from tokenloom.models.config import ModelConfig
-from tokenloom.quant.layout import CHUNK_ORDERS, LAYOUT_VERSION, relayout
+from tokenloom.quant.layout import LAYOUT_VERSION, LAYOUT_VERSIONS, relayout, relayout_int4_scales
 from tokenloom.quant.linear import Int4Linear, Int8Linear, QuantLinear
 from tokenloom.quant.weight_only import QUANTIZATIONS, quantize_model
 
@@ -132,9 +132,9 @@ def check_quantization_config(qcfg: dict[str, Any], folder: Path) -> int:
         raise ModelLoadError(f"{folder}: quantization_config.quant_method {qcfg.get('quant_method')!r} is not "
                              f"supported; tokenloom reads its own ({QUANT_METHOD!r}, from `tokenloom quantize`)")
     layout = qcfg.get("code_layout", 1)  # checkpoints from before the field stored layout 1
-    if layout not in CHUNK_ORDERS:
+    if layout not in LAYOUT_VERSIONS:
         raise ModelLoadError(f"{folder}: quantization_config.code_layout {layout!r} is unknown to this tokenloom "
-                             f"(it reads {', '.join(map(str, sorted(CHUNK_ORDERS)))}); re-run `tokenloom quantize`")
+                             f"(it reads {', '.join(map(str, LAYOUT_VERSIONS))}); re-run `tokenloom quantize`")
     return int(layout)
 
 
@@ -168,6 +168,7 @@ def stored_layers(stored: dict[str, dict[str, torch.Tensor]], model: nn.Module,
         if codes.dtype == torch.int8:
             yield path, Int8Linear(codes, scales, bias, k)
         elif "mins" in parts:
-            yield path, Int4Linear(codes, scales, parts["mins"], bias, k)
+            yield path, Int4Linear(codes, relayout_int4_scales(scales, layout), relayout_int4_scales(parts["mins"], layout),
+                                   bias, k)
         else:
             raise ModelLoadError(f"{path}: uint8 codes without mins")

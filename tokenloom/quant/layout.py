@@ -1,42 +1,63 @@
-"""The kernels' code layout (see kernels/csrc/quant_gemm.cpp): each row's K inputs, zero-padded to a
-multiple of 64, in chunks of 64 whose position p holds input CHUNK_ORDERS[LAYOUT_VERSION][p], so that
-the four bytes a vpdpbusd lane sums never mix two 32-input blocks. int8: one byte per position; int4: byte i (0..31) of
-a chunk holds positions i (low nibble) and 32 + i (high nibble).
+"""The kernels' code layout (see kernels/csrc/quant_gemm.cpp). Each row's K inputs are zero-padded to
+Kp, a multiple of 64.
 
-LAYOUT_VERSION names the order; quantized checkpoints record it, and those written with an older
-order (version 1, the vdpbf16ps lane pairs of tokenloom before 2026-12-03) are re-laid out on load."""
+- int8 codes (N, Kp): per row, chunks of 64 whose position p holds input CHUNK_ORDERS[version][p], so
+  that the four bytes a vpdpbusd lane sums never mix two 32-input blocks (version 2 onwards).
+- int4 codes (N, Kp / 2), version 3: output channels in blocks of 16 (the last block may hold fewer,
+  r), a block's bytes together. Within a block, step s (inputs 8s..8s+7) takes 4r bytes, byte 4j + c
+  holding q[j][8s + c] | q[j][8s + 4 + c] << 4 for channel j of the block: one 64-byte load gives the
+  16 channels' codes for 8 inputs, and vpdpbusd's int32 lane j is channel j. Their scales and mins
+  (N, G) are blocked the same way: group t of a block is r consecutive values, one per channel.
+  Versions 1 and 2 kept int4 rows apart (byte i of a row's chunk: positions i and 32 + i) with plain
+  (N, G) scales.
+
+LAYOUT_VERSION names the layout; quantized checkpoints record it, and those written with an older one
+(1: the vdpbf16ps lane pairs of tokenloom before 2026-12-03; 2: int4 rows apart, through 2026-12-03)
+are re-laid out on load."""
 
 from __future__ import annotations
 
 import torch
 
 CHUNK = 64
-LAYOUT_VERSION = 2
+BLOCK = 16  # int4 output channels per block (version 3)
+LAYOUT_VERSION = 3
 # e(p) = 32 ((p >> 2) & 1) + 4 (p >> 3) + (p & 3), as chunk_input() in C++: lane j = positions 4j..4j+3
 # holds four consecutive inputs of block j % 2.
+_V2_ORDER = torch.tensor([32 * ((p >> 2) & 1) + 4 * (p >> 3) + (p & 3) for p in range(CHUNK)])
 CHUNK_ORDERS = {
     1: torch.tensor([32 * ((p >> 1) & 1) + 16 * (p >> 5) + 2 * ((p & 31) >> 2) + (p & 1) for p in range(CHUNK)]),
-    2: torch.tensor([32 * ((p >> 2) & 1) + 4 * (p >> 3) + (p & 3) for p in range(CHUNK)]),
+    2: _V2_ORDER,
+    3: _V2_ORDER,  # int8 as in version 2; version 3 changed int4 only
 }
+LAYOUT_VERSIONS = tuple(sorted(CHUNK_ORDERS))
 
 
 def padded(k: int) -> int:
     return -(-k // CHUNK) * CHUNK
 
 
-def _to_positions(q: torch.Tensor, version: int = LAYOUT_VERSION) -> torch.Tensor:
-    """(N, K) -> (N, Kp/64, 64) in kernel order, zero-padded."""
+def _pad(q: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     kp = padded(k)
-    if kp != k:
-        q = torch.cat([q, q.new_zeros(n, kp - k)], dim=1)
-    return q.reshape(n, kp // CHUNK, CHUNK)[..., CHUNK_ORDERS[version]]
+    return q if kp == k else torch.cat([q, q.new_zeros(n, kp - k)], dim=1)
 
 
-def _from_positions(pos: torch.Tensor, k: int, version: int = LAYOUT_VERSION) -> torch.Tensor:
-    """(N, Kp/64, 64) kernel order -> (N, K)."""
+def _to_positions(q: torch.Tensor, version: int) -> torch.Tensor:
+    """(N, K) -> (N, Kp/64, 64) in chunk order, zero-padded."""
+    qp = _pad(q)
+    return qp.reshape(q.shape[0], -1, CHUNK)[..., CHUNK_ORDERS[version]]
+
+
+def _from_positions(pos: torch.Tensor, k: int, version: int) -> torch.Tensor:
+    """(N, Kp/64, 64) chunk order -> (N, K)."""
     n = pos.shape[0]
     return pos[..., torch.argsort(CHUNK_ORDERS[version])].reshape(n, -1)[:, :k]
+
+
+def _blocks(n: int) -> list[tuple[int, int]]:
+    """(first channel, channels) of each int4 block."""
+    return [(b, min(BLOCK, n - b)) for b in range(0, n, BLOCK)]
 
 
 def int8_to_kernel(q: torch.Tensor, version: int = LAYOUT_VERSION) -> torch.Tensor:
@@ -50,14 +71,48 @@ def int8_from_kernel(codes: torch.Tensor, k: int, version: int = LAYOUT_VERSION)
 
 def int4_to_kernel(q: torch.Tensor, version: int = LAYOUT_VERSION) -> torch.Tensor:
     """(N, K) codes in [0, 15] -> (N, Kp/2) uint8."""
-    pos = _to_positions(q.to(torch.uint8), version)
-    return (pos[..., :32] | (pos[..., 32:] << 4)).reshape(q.shape[0], -1).contiguous()
+    q = q.to(torch.uint8)
+    n = q.shape[0]
+    if version < 3:
+        pos = _to_positions(q, version)
+        return (pos[..., :32] | (pos[..., 32:] << 4)).reshape(n, -1).contiguous()
+    qp = _pad(q)
+    kp = qp.shape[1]
+    out = []
+    for b, r in _blocks(n):
+        t = qp[b:b + r].reshape(r, kp // 8, 2, 4)  # (channel, step, low/high nibble, c)
+        out.append((t[:, :, 0] | (t[:, :, 1] << 4)).permute(1, 0, 2).reshape(-1))  # (step, channel, c)
+    return torch.cat(out).reshape(n, kp // 2) if out else q.new_zeros(0, kp // 2)
 
 
 def int4_from_kernel(codes: torch.Tensor, k: int, version: int = LAYOUT_VERSION) -> torch.Tensor:
     """(N, Kp/2) uint8 -> (N, K) uint8 codes in [0, 15]."""
-    b = codes.reshape(codes.shape[0], -1, CHUNK // 2)
-    return _from_positions(torch.cat([b & 0x0F, b >> 4], dim=-1), k, version)
+    n = codes.shape[0]
+    if version < 3:
+        b = codes.reshape(n, -1, CHUNK // 2)
+        return _from_positions(torch.cat([b & 0x0F, b >> 4], dim=-1), k, version)
+    kp = codes.shape[1] * 2
+    flat = codes.reshape(-1)
+    rows = []
+    for b, r in _blocks(n):
+        t = flat[b * kp // 2:(b + r) * kp // 2].reshape(kp // 8, r, 4).permute(1, 0, 2)  # (channel, step, c)
+        rows.append(torch.stack([t & 0x0F, t >> 4], dim=2).reshape(r, kp))
+    return (torch.cat(rows) if rows else codes.new_zeros(0, kp))[:, :k]
+
+
+def int4_scales_to_kernel(s: torch.Tensor) -> torch.Tensor:
+    """(N, G) per-group scales or mins -> (N, G) in version 3's blocked order."""
+    n, g = s.shape
+    parts = [s[b:b + r].t().reshape(-1) for b, r in _blocks(n)]
+    return (torch.cat(parts) if parts else s.reshape(-1)).reshape(n, g).contiguous()
+
+
+def int4_scales_from_kernel(s: torch.Tensor) -> torch.Tensor:
+    """Inverse of int4_scales_to_kernel."""
+    n, g = s.shape
+    flat = s.reshape(-1)
+    parts = [flat[b * g:(b + r) * g].reshape(g, r).t() for b, r in _blocks(n)]
+    return (torch.cat(parts) if parts else s).contiguous()
 
 
 def relayout(codes: torch.Tensor, k: int, version: int) -> torch.Tensor:
@@ -67,3 +122,8 @@ def relayout(codes: torch.Tensor, k: int, version: int) -> torch.Tensor:
     if codes.dtype == torch.int8:
         return int8_to_kernel(int8_from_kernel(codes, k, version))
     return int4_to_kernel(int4_from_kernel(codes, k, version))
+
+
+def relayout_int4_scales(s: torch.Tensor, version: int) -> torch.Tensor:
+    """int4 scales or mins stored in layout `version` -> the current layout."""
+    return s if version >= 3 else int4_scales_to_kernel(s)

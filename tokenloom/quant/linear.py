@@ -8,8 +8,9 @@ One storage format covers tokenloom's own quantization and the GGUF types kept a
 - Int4Linear: w = d q + m, q in [0, 15], scales and mins (N, G) float16, G = K/g (GGUF Q4_1; Q4_0 is
   m = -8 d).
 The `codes` buffer is in the kernels' layout (quant/layout.py: (N, Kp) int8 or (N, Kp/2) uint8, K
-padded to 64); `from_codes` takes plain (N, K) codes. `reference()` dequantizes to float32 and calls
-F.linear: the test oracle.
+padded to 64), and so are int4's `scales` and `mins` (blocked by 16 output channels); `from_codes` takes
+plain (N, K) codes and (N, G) scales. `reference()` dequantizes to float32 and calls F.linear: the test
+oracle.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from torch import nn
 
 from tokenloom.errors import ConfigError
 from tokenloom.kernels import load_quant_kernels
-from tokenloom.quant.layout import int4_from_kernel, int4_to_kernel, int8_from_kernel, int8_to_kernel, padded
+from tokenloom.quant.layout import (int4_from_kernel, int4_scales_from_kernel, int4_scales_to_kernel, int4_to_kernel,
+                                    int8_from_kernel, int8_to_kernel, padded)
 
 class QuantLinear(nn.Module):
     """Shared buffers and forward of Int8Linear / Int4Linear (subclasses set `bits`)."""
@@ -74,13 +76,18 @@ class QuantLinear(nn.Module):
         """(N, K) codes as stored values (int8) or nibbles (int4)."""
         raise NotImplementedError
 
+    def group_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(N, G) scales and mins (None for int8) in plain row order."""
+        return self.scales, self.mins
+
     def dequantize(self) -> torch.Tensor:
         """The weight the layer stands for, (N, K) float32."""
         n, k, g = self.out_features, self.in_features, self.group_size
+        scales, mins = self.group_params()
         q = self.codes_as_int().float().reshape(n, k // g, g)
-        w = q * self.scales.float()[..., None]
-        if self.mins is not None:
-            w = w + self.mins.float()[..., None]
+        w = q * scales.float()[..., None]
+        if mins is not None:
+            w = w + mins.float()[..., None]
         return w.reshape(n, k)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,7 +132,8 @@ class Int4Linear(QuantLinear):
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None,
                  in_features: int) -> None:
-        """`codes`: (N, Kp/2) uint8 in kernel layout; `scales`, `mins`: (N, K/g) with g 32 or a multiple of 64."""
+        """`codes`: (N, Kp/2) uint8, `scales`, `mins`: (N, K/g) float16, all in kernel layout (blocks of
+        16 output channels); g is 32 or a multiple of 64."""
         if codes.dtype != torch.uint8:
             raise ConfigError(f"Int4Linear needs uint8 codes, got {codes.dtype}")
         groups = scales.shape[1]
@@ -141,7 +149,8 @@ class Int4Linear(QuantLinear):
     def from_codes(cls, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                    bias: torch.Tensor | None = None) -> Int4Linear:
         """`q`: (N, K) codes in [0, 15]; w = scales[:, k // g] q + mins[:, k // g]."""
-        return cls(int4_to_kernel(q), scales, mins, bias, q.shape[1])
+        return cls(int4_to_kernel(q), int4_scales_to_kernel(scales.half()), int4_scales_to_kernel(mins.half()), bias,
+                   q.shape[1])
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
@@ -153,3 +162,7 @@ class Int4Linear(QuantLinear):
 
     def codes_as_int(self) -> torch.Tensor:
         return int4_from_kernel(self.codes, self.in_features)
+
+    def group_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mins = self.mins
+        return int4_scales_from_kernel(self.scales), None if mins is None else int4_scales_from_kernel(mins)

@@ -12,8 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "x @ w.T (+ bias) for 1..8 bfloat16 rows, weights streamed once");
   m.def("skinny_available", &skinny_available, "whether skinny_linear has its AVX512-BF16 fast path");
   m.def("quant_linear", &quant_linear,
-        "x @ dequant(W).T (+ bias): bfloat16 x (M, K), int8 (N, K) or int4 (N, K/2) codes, float16 scales (N, G) "
-        "and int4 mins (N, G)");
+        "x @ dequant(W).T (+ bias): bfloat16 x (M, K), int8 (N, Kp) or int4 (N, Kp/2) codes, float16 scales (N, G) "
+        "and int4 mins (N, G), in the layout of tokenloom/quant/layout.py");
   m.def("quant_available", &quant_available, "whether the AVX512-BF16 + VNNI quantized matmuls were compiled in");
   bind_decode_stack(m);
 }

@@ -3,26 +3,25 @@
 //   int8: w = d * q          q in [-128, 127]; g = K (one scale per output channel) or g = 32 (GGUF Q8_0)
 //   int4: w = d * q + m      q in [0, 15]; g = 32 (GGUF Q4_0: m = -8 d; Q4_1) or 64, 128, 256
 //
-// Layout ("kernel order", written by tokenloom/quant/layout.py, LAYOUT_VERSION 2): each row's K inputs,
-// zero-padded to Kp = K rounded up to 64, are cut into chunks of 64 = two 32-input blocks A, B.
-// Position p (0..63) of a chunk holds input e(p) = 32 ((p >> 2) & 1) + 4 (p >> 3) + (p & 3), so that
-// positions 4j..4j+3 are four consecutive inputs of block j % 2:
-//   int8: byte p = q[e(p)];   int4: byte i (0..31) = q[e(i)] | q[e(32 + i)] << 4.
-// x is permuted to the same order once per call. A lane of either dot-product instruction then sums
-// one block only, so with g = 32 one vector of per-lane block scales scales a whole chunk: vpdpbusd's
-// int32 lane j (positions 4j..4j+3) [dA, dB, dA, dB, ...], vdpbf16ps's float lane j (positions 2j,
-// 2j+1) [dA, dA, dB, dB, ...]. For int4 and Q8_0 this is a pure byte shuffle of GGUF's blocks.
-//
-// int4 codes are dotted in bf16, where they are exact: OR-ing a nibble into the bits of 128.0 makes
-// 128 + q with no conversion instruction, and dot(x, 128 + q) d + (m - 128 d) sum(x) = dot(x, d q + m),
-// with sum(x) per group computed once per call. int8 codes would need three conversions per 16 to
-// reach bf16, so on the few-row path x is quantized to int8 instead (see QX) and vpdpbusd multiplies
-// 64 codes per instruction; tried for int4 too, where it was no faster than the bf16 path.
+// Layout (written by tokenloom/quant/layout.py, LAYOUT_VERSION 3); K is zero-padded to Kp, a multiple of 64.
+//   int8, rows apart: each row's Kp inputs in chunks of 64 = two 32-input blocks A, B; position p (0..63)
+//     of a chunk holds input e(p) = 32 ((p >> 2) & 1) + 4 (p >> 3) + (p & 3), so that positions 4j..4j+3
+//     (vpdpbusd's int32 lane j) are four consecutive inputs of block j % 2 and, with g = 32, one vector of
+//     per-lane block scales [dA, dB, dA, dB, ...] scales a whole chunk. x is permuted to the same order.
+//   int4, blocks of 16 output channels (the last may hold r < 16): step s of a block (inputs 8s..8s+7)
+//     is 4r bytes, byte 4j + c = q[j][8s + c] | q[j][8s + 4 + c] << 4 for the block's channel j. One
+//     64-byte load and a mask give, for 16 channels at once, their codes of inputs 8s..8s+3 (low nibbles)
+//     and 8s+4..8s+7 (high), so vpdpbusd's int32 lane j accumulates channel j: no horizontal sums, and a
+//     group's scales and mins (stored blocked too: r consecutive values per group) are one vector load.
 //
 // Two paths:
-//   M <= 8 (decode, speculative verification): each weight row is streamed once and dotted with all M
-//     rows of x, weights never expanded (int4 reads ~1/3.5 of bf16's bytes). Rows are prefetched in
-//     software: hardware prefetchers stop at 4 KiB pages, which halved the bandwidth.
+//   M <= 8 (decode, speculative verification): each weight byte is read once and dotted with all M rows
+//     of x, the codes never expanded. x is quantized like llama.cpp's Q8 activations: int8 per 32 inputs
+//     (int8: per 64-input chunk), xq = round(x / dx) with dx = max |x| / 127, so that vpdpbusd multiplies
+//     64 codes by 64 xq per instruction; int4's zero point adds m times the group's sum of dx xq.
+//     Weights are prefetched in software: hardware prefetchers stop at 4 KiB pages.
+//     (The int4 path dotted bf16 x with codes made bf16 before 2026-12-03: ~13 instructions per 64
+//     weights against ~4 now, and it could not keep up with memory: 1.6-2x slower per layer.)
 //   M > 8 (prefill, large decode batches): a tile of 32 output channels is expanded to bf16 in a
 //     thread-local buffer (int8 per channel: the codes, exact; grouped: d q + m rounded to bf16 once),
 //     then a 4x4 register-blocked dot-product kernel reuses it for all M rows with x exact in bf16.
@@ -46,7 +45,9 @@ namespace {
 
 constexpr int kMaxSkinnyRows = 8;
 constexpr int64_t kTile = 32;  // output channels expanded per tile on the many-row path
-constexpr int64_t kPrefetchSteps = 4;  // prefetch distance, in steps of NR rows
+constexpr int64_t kBlock = 16;  // int4 output channels per block
+constexpr int64_t kPrefetchSteps = 4;  // int8 prefetch distance, in steps of NR rows
+constexpr int64_t kPrefetchBytes = 8192;  // int4 prefetch distance (best of 2-16 KiB on SmolLM2's layers)
 
 inline int64_t chunk_input(int64_t p) { return 32 * ((p >> 2) & 1) + 4 * (p >> 3) + (p & 3); }
 
@@ -55,36 +56,27 @@ inline int64_t chunk_input(int64_t p) { return 32 * ((p >> 2) & 1) + 4 * (p >> 3
 struct QWeight {
   const uint8_t* codes;  // (N, row_bytes): Kp (int8) or Kp / 2 (int4) bytes per row
   int64_t row_bytes;
-  const at::Half* scales;  // (N, G)
+  const at::Half* scales;  // (N, G); int4: blocked (layout.py)
   const at::Half* mins;    // (N, G) int4 only, else nullptr
   int64_t N, K, G, g;
 };
 
-enum Mode { kPerRow = 0, kPairs = 1, kGroups = 2 };  // one scale per row | g == 32 | g = 64, 128, 256
-
-// Chunk c of a row -> v0, v1 (bf16 codes as int vectors): int8 exact q; int4 128 + q.
-template <int BITS>
-inline void decode(const uint8_t* row, int64_t c, __m512i& v0, __m512i& v1) {
-  if constexpr (BITS == 4) {
-    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32)));
-    const __m512i magic = _mm512_set1_epi16(0x4300);  // bf16 128.0: its low 7 mantissa bits are free
-    v0 = _mm512_ternarylogic_epi32(w, _mm512_set1_epi16(0x000F), magic, 0xEA);  // (w & 0xF) | magic
-    v1 = _mm512_or_si512(_mm512_srli_epi16(w, 4), magic);
-  } else {
-    const uint8_t* p = row + c * 64;
-    auto widen = [p](int i) {
-      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i))));
-    };
-    v0 = (__m512i)_mm512_cvtne2ps_pbh(widen(1), widen(0));  // the second operand fills the low half
-    v1 = (__m512i)_mm512_cvtne2ps_pbh(widen(3), widen(2));
-  }
-}
-
-inline __m512 dp(__m512 acc, const c10::BFloat16* x, __m512i v) {
-  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x), (__m512bh)v);
-}
-
 inline float half_to_float(at::Half h) { return _cvtsh_ss(h.x); }
+
+inline __m512 bf16_lo_to_ps(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16)); }
+inline __m512 bf16_hi_to_ps(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16)); }
+
+// Scratch that lives as long as the calling thread: a decode step calls this ~120 times, and two
+// tensor allocations per call cost as much as the permute itself.
+template <typename T>
+T* scratch(std::vector<T>& buf, int64_t n) {
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+// --- int8, few rows ---------------------------------------------------------------------------------
+
+enum Mode { kPerRow = 0, kPairs = 1, kGroups = 2 };  // one scale per row | g == 32 | g = 64, 128, 256
 
 // A float16 scale broadcast to 16 floats: broadcast the 16 bits, then convert the vector (two
 // instructions; converting the scalar first and broadcasting it takes four, once per chunk and row).
@@ -101,27 +93,14 @@ inline __m512 scale_pair(const at::Half* d) {
   return _mm512_cvtph_ps(_mm256_set1_epi32(two));
 }
 
-// [dA, dA, dB, dB, ...]: vdpbf16ps's lane j sums positions 2j, 2j + 1, of block (j / 2) % 2.
-inline __m512 scale_pair_bf16(const at::Half* d) {
-  int32_t two;
-  std::memcpy(&two, d, 4);
-  const __m256i ab = _mm256_set1_epi32(two);
-  return _mm512_cvtph_ps(_mm256_unpacklo_epi16(ab, ab));
-}
-
-// x for the few-row path. int4: bf16 in kernel order, dotted with the codes by vdpbf16ps, and its float
-// sums per weight group. int8: quantized like llama.cpp's Q8 activations, per row m and chunk c (64
-// inputs) xq = round(x / dx) in [-127, 127] with dx = max |x| / 127, so that vpdpbusd multiplies 64
-// codes by 64 xq per instruction with no widening of the codes (widening int8 to bf16 took three
-// conversions per 16 codes: 1.2-1.75x slower per call with the weights in cache, 11% slower at 4
-// streams end to end; single-stream decode is bound by memory either way).
+// int8 x, per row m and chunk c (64 inputs): xq = round(x / dx) in [-127, 127], dx = max |x| / 127
+// (widening int8 codes to bf16 instead took three conversions per 16 codes: 1.2-1.75x slower per call
+// with the weights in cache, 11% slower at 4 streams end to end).
 struct QX {
-  const c10::BFloat16* xp;  // int4: (M, Kp)
-  const float* sum;         // int4: (M, Gp)
-  const int8_t* q;          // int8: (M, Kp)
-  const float* d;           // int8: (M, nchunks)
-  const int32_t* corr;      // int8: (M, nchunks, 16) -128 * each int32 lane's sum of xq (see codes_u8)
-  int64_t Kp, nchunks, Gp;
+  const int8_t* q;       // (M, Kp)
+  const float* d;        // (M, nchunks)
+  const int32_t* corr;   // (M, nchunks, 16) -128 * each int32 lane's sum of xq (see codes_u8)
+  int64_t Kp, nchunks;
 };
 
 // Chunk c of an int8 row -> its 64 codes as the unsigned bytes vpdpbusd needs: q + 128 (q ^ 0x80), the
@@ -130,13 +109,11 @@ inline __m512i codes_u8(const uint8_t* row, int64_t c) {
   return _mm512_xor_si512(_mm512_loadu_si512(row + c * 64), _mm512_set1_epi8(static_cast<char>(0x80)));
 }
 
-// out[r][m] = dot(x[m], w[n0 + r]) for NR output channels and all M rows. Per chunk and row of x:
-//   int4: two vdpbf16ps from zero, float lane j summing positions 2j, 2j+1 (block (j / 2) % 2);
-//   int8: one vpdpbusd, int32 lane j summing positions 4j..4j+3 (block j % 2), made float and times dx;
-// then scaled into the row's accumulator by the chunk's weight scales (with g = 32 a vector holding each
-// lane's block scale; one scale per row is applied at the end instead). NR rows at once share the
-// horizontal sums and the scalar work.
-template <int M, int NR, int BITS, int MODE>
+// out[r][m] = dot(x[m], w[n0 + r]) for NR output channels and all M rows. Per chunk and row of x one
+// vpdpbusd, int32 lane j summing positions 4j..4j+3 (block j % 2), made float and times dx, then scaled
+// into the row's accumulator by the chunk's weight scales (with g = 32 a vector holding each lane's block
+// scale; one scale per row is applied at the end instead). NR rows at once share the horizontal sums.
+template <int M, int NR, int MODE>
 __attribute__((always_inline)) inline void dot_rows(const QWeight& w, int64_t n0, const QX& x, float (*out)[M]) {
   const int64_t nchunks = x.nchunks;
   // kPairs: a chunk without block B (K / 32 odd) has no second scale to read; it is done last, apart.
@@ -153,32 +130,21 @@ __attribute__((always_inline)) inline void dot_rows(const QWeight& w, int64_t n0
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
   }
   auto chunk = [&](int64_t c, int r, __m512 dw) __attribute__((always_inline)) {
-    _mm_prefetch(reinterpret_cast<const char*>(rows[r] + kPrefetchSteps * NR * w.row_bytes + c * 8 * BITS), _MM_HINT_T0);
-    if constexpr (BITS == 4) {
-      __m512i v0, v1;
-      decode<4>(rows[r], c, v0, v1);
-      const c10::BFloat16* xc = x.xp + c * 64;
+    _mm_prefetch(reinterpret_cast<const char*>(rows[r] + kPrefetchSteps * NR * w.row_bytes + c * 64), _MM_HINT_T0);
+    const __m512i u = codes_u8(rows[r], c);
 #pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) {
-        const __m512 dot = dp(dp(_mm512_setzero_ps(), xc + m * x.Kp, v0), xc + m * x.Kp + 32, v1);
-        acc[r][m] = MODE == kPerRow ? _mm512_add_ps(dot, acc[r][m]) : _mm512_fmadd_ps(dot, dw, acc[r][m]);
-      }
-    } else {
-      const __m512i u = codes_u8(rows[r], c);
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) {
-        const __m512i init = _mm512_loadu_si512(x.corr + (m * nchunks + c) * 16);
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, u, _mm512_loadu_si512(x.q + m * x.Kp + c * 64)));
-        const __m512 dx = _mm512_set1_ps(x.d[m * nchunks + c]);
-        acc[r][m] = _mm512_fmadd_ps(dot, MODE == kPerRow ? dx : _mm512_mul_ps(dw, dx), acc[r][m]);
-      }
+    for (int m = 0; m < M; ++m) {
+      const __m512i init = _mm512_loadu_si512(x.corr + (m * nchunks + c) * 16);
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, u, _mm512_loadu_si512(x.q + m * x.Kp + c * 64)));
+      const __m512 dx = _mm512_set1_ps(x.d[m * nchunks + c]);
+      acc[r][m] = _mm512_fmadd_ps(dot, MODE == kPerRow ? dx : _mm512_mul_ps(dw, dx), acc[r][m]);
     }
   };
   for (int64_t c = 0; c < full; ++c) {
 #pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) {
       __m512 dw = _mm512_setzero_ps();
-      if constexpr (MODE == kPairs) dw = BITS == 4 ? scale_pair_bf16(ds[r] + 2 * c) : scale_pair(ds[r] + 2 * c);
+      if constexpr (MODE == kPairs) dw = scale_pair(ds[r] + 2 * c);
       if constexpr (MODE == kGroups) dw = scale_all(ds[r] + (c >> shift));
       chunk(c, r, dw);
     }
@@ -187,24 +153,12 @@ __attribute__((always_inline)) inline void dot_rows(const QWeight& w, int64_t n0
 #pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) chunk(full, r, scale_all(ds[r] + 2 * full));
   }
+  if constexpr (MODE == kPerRow) {
 #pragma GCC unroll 4
-  for (int r = 0; r < NR; ++r) {
-    if constexpr (MODE == kPerRow) {
+    for (int r = 0; r < NR; ++r) {
       const __m512 s = _mm512_set1_ps(half_to_float(ds[r][0]));
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_mul_ps(acc[r][m], s);
-    }
-    if constexpr (BITS == 4) {
-      // int4's zero-point term: sum over groups of (m - 128 d) * sum(x in group), added lane-wise.
-      const at::Half* mn = w.mins + (n0 + r) * w.G;
-      for (int64_t i = 0; i < w.G; i += 16) {
-        const __mmask16 k = w.G - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (w.G - i)) - 1);
-        const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, ds[r] + i));
-        const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mn + i));
-        const __m512 mp = _mm512_fmadd_ps(dv, _mm512_set1_ps(-128.f), mv);
-#pragma GCC unroll 8
-        for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(mp, _mm512_loadu_ps(x.sum + m * x.Gp + i), acc[r][m]);
-      }
     }
   }
   const __m512 z = _mm512_setzero_ps();
@@ -218,53 +172,163 @@ __attribute__((always_inline)) inline void dot_rows(const QWeight& w, int64_t n0
   }
 }
 
-template <int M, int NR, int BITS, int MODE>
+template <int M, int NR, int MODE>
 inline void store_rows(const QWeight& w, int64_t n0, const QX& x, const c10::BFloat16* bias, c10::BFloat16* y) {
   float out[NR][M];
-  dot_rows<M, NR, BITS, MODE>(w, n0, x, out);
+  dot_rows<M, NR, MODE>(w, n0, x, out);
   for (int r = 0; r < NR; ++r) {
     const float b = bias != nullptr ? to_float(bias[n0 + r]) : 0.f;
     for (int m = 0; m < M; ++m) y[m * w.N + n0 + r] = from_float<c10::BFloat16>(out[r][m] + b);
   }
 }
 
-template <int M, int BITS, int MODE>
-void skinny_mode(const QWeight& w, const QX& x, const c10::BFloat16* bias, c10::BFloat16* y) {
+template <int M, int MODE>
+void skinny_int8_mode(const QWeight& w, const QX& x, const c10::BFloat16* bias, c10::BFloat16* y) {
   constexpr int NR = M <= 2 ? 4 : 2;  // rows per step: NR * M accumulators in registers
   // Chunks of at least ~128 KiB of codes: smaller jobs stay on the calling thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / w.row_bytes / NR);
   const int64_t steps = w.N / NR;
   at::parallel_for(0, steps, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) store_rows<M, NR, BITS, MODE>(w, i * NR, x, bias, y);
+    for (int64_t i = begin; i < end; ++i) store_rows<M, NR, MODE>(w, i * NR, x, bias, y);
   });
-  for (int64_t n = steps * NR; n < w.N; ++n) store_rows<M, 1, BITS, MODE>(w, n, x, bias, y);
+  for (int64_t n = steps * NR; n < w.N; ++n) store_rows<M, 1, MODE>(w, n, x, bias, y);
 }
 
-template <int M, int BITS>
-void skinny(const QWeight& w, const QX& x, const c10::BFloat16* bias, c10::BFloat16* y) {
-  if (w.G == 1) skinny_mode<M, BITS, kPerRow>(w, x, bias, y);
-  else if (w.g == 32) skinny_mode<M, BITS, kPairs>(w, x, bias, y);
-  else skinny_mode<M, BITS, kGroups>(w, x, bias, y);
+template <int M>
+void skinny_int8(const QWeight& w, const QX& x, const c10::BFloat16* bias, c10::BFloat16* y) {
+  if (w.G == 1) skinny_int8_mode<M, kPerRow>(w, x, bias, y);
+  else if (w.g == 32) skinny_int8_mode<M, kPairs>(w, x, bias, y);
+  else skinny_int8_mode<M, kGroups>(w, x, bias, y);
+}
+
+// --- int4, few rows ---------------------------------------------------------------------------------
+
+// x for the int4 few-row path, in natural input order.
+struct X4 {
+  const int8_t* q;    // (M, Kp) xq per 32 inputs
+  const float* d;     // (M, Kp / 32) dx
+  const float* sum;   // (M, G) sums of the quantized x per weight group
+  int64_t Kp, G;
+};
+
+// One block (r <= 16 output channels from n0) against all M rows of x: out[m] lane j = dot(x[m], w[n0 + j]).
+// Per 32 inputs and row m: eight vpdpbusd from zero (16 channels x 4 inputs each), made float and times
+// dx; per weight group: times the channels' scales, plus their mins times the group's sum of x.
+template <int M>
+__attribute__((always_inline)) inline void int4_block(const QWeight& w, int64_t n0, const X4& x, __m512 (&acc)[M]) {
+  const int64_t r = std::min<int64_t>(kBlock, w.N - n0), step = 4 * r;  // bytes per 8 inputs
+  const uint8_t* base = w.codes + n0 * w.row_bytes;
+  const at::Half* db = w.scales + n0 * w.G;  // the block's scales: G groups of r
+  const at::Half* mb = w.mins + n0 * w.G;
+  const __mmask64 kc = r == kBlock ? ~__mmask64(0) : (__mmask64(1) << step) - 1;
+  const __mmask16 ks = static_cast<__mmask16>((1u << r) - 1);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int64_t subs = w.g / 32;
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < w.G; ++t) {
+    __m512 gacc[M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) gacc[m] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < subs; ++u) {
+      const int64_t k0 = t * w.g + u * 32;
+      __m512i isum[M];
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) isum[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {
+        const uint8_t* p = base + (k0 / 8 + s) * step;
+        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
+        const __m512i z = _mm512_maskz_loadu_epi8(kc, p);
+        const __m512i lo = _mm512_and_si512(z, low), hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          int32_t a, b;  // xq of inputs k0 + 8s .. +3 and +4 .. +7, each broadcast to all lanes
+          std::memcpy(&a, x.q + m * x.Kp + k0 + 8 * s, 4);
+          std::memcpy(&b, x.q + m * x.Kp + k0 + 8 * s + 4, 4);
+          isum[m] = _mm512_dpbusd_epi32(isum[m], lo, _mm512_set1_epi32(a));
+          isum[m] = _mm512_dpbusd_epi32(isum[m], hi, _mm512_set1_epi32(b));
+        }
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m)
+        gacc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_set1_ps(x.d[m * (x.Kp / 32) + k0 / 32]), gacc[m]);
+    }
+    _mm_prefetch(reinterpret_cast<const char*>(db + t * r) + kPrefetchBytes / 8, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(mb + t * r) + kPrefetchBytes / 8, _MM_HINT_T0);
+    const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(ks, db + t * r));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(ks, mb + t * r));
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+      acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.sum[m * x.G + t]), _mm512_fmadd_ps(gacc[m], dv, acc[m]));
+  }
+}
+
+template <int M>
+void skinny_int4(const QWeight& w, const X4& x, const c10::BFloat16* bias, c10::BFloat16* y) {
+  const int64_t nblocks = (w.N + kBlock - 1) / kBlock;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (kBlock * w.row_bytes));  // ~128 KiB of codes
+  at::parallel_for(0, nblocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kBlock;
+      const __mmask16 k = static_cast<__mmask16>((1u << std::min<int64_t>(kBlock, w.N - n0)) - 1);
+      __m512 acc[M];
+      int4_block<M>(w, n0, x, acc);
+      const __m512 bv = bias == nullptr ? _mm512_setzero_ps()
+          : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, bias + n0)), 16));
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m)
+        _mm256_mask_storeu_epi16(y + m * w.N + n0, k, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], bv)));
+    }
+  });
+}
+
+// x (M, K) -> xq (M, Kp) int8 and dx (M, Kp / 32) per 32 inputs (K a multiple of 32; the rest unused),
+// and sum (M, G): per weight group of g inputs, the sum of the quantized x, dx * sum(xq). The zero point
+// m then multiplies the same x as the codes do, and y is exactly W dequantized times x quantized: with
+// the exact sum of x instead, the error of the code term (d q, all of one sign) would not cancel
+// against m's, and the kernel's error at K = 1536 was twice as large.
+void quantize_x32(const c10::BFloat16* x, int64_t M, int64_t K, int64_t Kp, int64_t g, int64_t G, int8_t* xq,
+                  float* dx, float* sum) {
+  std::fill(sum, sum + M * G, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; k += 32) {
+      const __m512i v = _mm512_loadu_si512(x + m * K + k);
+      const __m512 f0 = bf16_lo_to_ps(v), f1 = bf16_hi_to_ps(v);
+      const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1))) / 127.f;
+      dx[m * (Kp / 32) + k / 32] = d;
+      const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      // Round to nearest even; |x| / d <= 127 stays in int8.
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(f0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(f1, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * Kp + k), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * Kp + k + 16), _mm512_cvtsepi32_epi8(q1));
+      sum[m * G + k / g] += d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    }
+  }
 }
 
 // --- many rows: expand a tile, then a register-blocked bf16 kernel ----------------------------------
 
-inline __m512 bf16_lo_to_ps(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16)); }
-inline __m512 bf16_hi_to_ps(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16)); }
+// Chunk c of an int8 row -> its 64 codes as bf16, exact, in two vectors.
+inline void decode_int8(const uint8_t* row, int64_t c, __m512i& v0, __m512i& v1) {
+  const uint8_t* p = row + c * 64;
+  auto widen = [p](int i) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i))));
+  };
+  v0 = (__m512i)_mm512_cvtne2ps_pbh(widen(1), widen(0));  // the second operand fills the low half
+  v1 = (__m512i)_mm512_cvtne2ps_pbh(widen(3), widen(2));
+}
 
-// Row n of W -> Kp bf16 values in kernel order, into dst. Returns the scale still to apply to the
-// row's dot products (int8 per channel keeps the exact codes), else 1.
-template <int BITS>
-float expand_row(const QWeight& w, int64_t n, int64_t Kp, c10::BFloat16* dst) {
+// int8 row n of W -> Kp bf16 values in kernel order, into dst. Returns the scale still to apply to the
+// row's dot products (per channel: the exact codes, scale d), else 1 (per 32: d q rounded to bf16).
+float expand_row_int8(const QWeight& w, int64_t n, int64_t Kp, c10::BFloat16* dst) {
   const uint8_t* row = w.codes + n * w.row_bytes;
   const at::Half* d = w.scales + n * w.G;
-  const at::Half* mn = BITS == 4 ? w.mins + n * w.G : nullptr;
-  const bool exact = BITS == 8 && w.G == 1;
-  const __m512 off = _mm512_set1_ps(BITS == 4 ? 128.f : 0.f);
+  const bool exact = w.G == 1;
   for (int64_t c = 0; c < Kp / 64; ++c) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + 4 * w.row_bytes + c * 8 * BITS), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row + 4 * w.row_bytes + c * 64), _MM_HINT_T0);
     __m512i v0, v1;
-    decode<BITS>(row, c, v0, v1);
+    decode_int8(row, c, v0, v1);
     if (exact) {
       _mm512_storeu_si512(dst + c * 64, v0);
       _mm512_storeu_si512(dst + c * 64 + 32, v1);
@@ -273,19 +337,62 @@ float expand_row(const QWeight& w, int64_t n, int64_t Kp, c10::BFloat16* dst) {
     // Positions 4j..4j+3 belong to block j % 2: blocks A A A A B B B B ... along the 16 float lanes.
     // Block B's group (a missing B in the last chunk reads A's: its codes and x are zero).
     const int64_t ga = c * 64 / w.g, gb = std::min<int64_t>((c * 64 + 32) / w.g, w.G - 1);
-    const __mmask16 is_b = 0xF0F0;
-    const __m512 dv = _mm512_mask_blend_ps(is_b, _mm512_set1_ps(half_to_float(d[ga])), _mm512_set1_ps(half_to_float(d[gb])));
-    __m512 mv = _mm512_setzero_ps();
-    if constexpr (BITS == 4)
-      mv = _mm512_mask_blend_ps(is_b, _mm512_set1_ps(half_to_float(mn[ga])), _mm512_set1_ps(half_to_float(mn[gb])));
+    const __m512 dv = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(half_to_float(d[ga])), _mm512_set1_ps(half_to_float(d[gb])));
     for (int h = 0; h < 2; ++h) {
       const __m512i v = h ? v1 : v0;
-      const __m512 lo = _mm512_fmadd_ps(_mm512_sub_ps(bf16_lo_to_ps(v), off), dv, mv);  // d q + m, q exact
-      const __m512 hi = _mm512_fmadd_ps(_mm512_sub_ps(bf16_hi_to_ps(v), off), dv, mv);
+      const __m512 lo = _mm512_mul_ps(bf16_lo_to_ps(v), dv), hi = _mm512_mul_ps(bf16_hi_to_ps(v), dv);
       _mm512_storeu_si512(dst + c * 64 + h * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
   }
   return exact ? half_to_float(d[0]) : 1.f;
+}
+
+// The int4 block from channel n0 -> its r rows of d q + m rounded to bf16, natural input order, into
+// dst (r, Kp), inputs K..Kp zero. Per step s, unpacklo/hi_epi32 of the low and high nibbles put, in
+// 128-bit lane i, channels (4i, 4i+1) and (4i+2, 4i+3) as 8 consecutive codes each.
+void expand_block_int4(const QWeight& w, int64_t n0, int64_t Kp, c10::BFloat16* dst) {
+  const int64_t r = std::min<int64_t>(kBlock, w.N - n0), step = 4 * r;
+  const uint8_t* base = w.codes + n0 * w.row_bytes;
+  const at::Half* db = w.scales + n0 * w.G;
+  const at::Half* mb = w.mins + n0 * w.G;
+  const __mmask64 kc = r == kBlock ? ~__mmask64(0) : (__mmask64(1) << step) - 1;
+  const __mmask16 ks = static_cast<__mmask16>((1u << r) - 1);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512i idx[8];  // part p = 2i + h: lanes 0-7 channel 4i + 2h, lanes 8-15 channel 4i + 2h + 1
+  for (int p = 0; p < 8; ++p) {
+    const int c0 = 4 * (p / 2) + 2 * (p % 2);
+    idx[p] = _mm512_setr_epi32(c0, c0, c0, c0, c0, c0, c0, c0, c0 + 1, c0 + 1, c0 + 1, c0 + 1, c0 + 1, c0 + 1, c0 + 1, c0 + 1);
+  }
+  for (int64_t t = 0; t < w.G; ++t) {
+    const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(ks, db + t * r));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(ks, mb + t * r));
+    __m512 dp[8], mp[8];
+    for (int p = 0; p < 8; ++p) {
+      dp[p] = _mm512_permutexvar_ps(idx[p], dv);
+      mp[p] = _mm512_permutexvar_ps(idx[p], mv);
+    }
+    for (int64_t s = t * w.g / 8; s < (t + 1) * w.g / 8; ++s) {
+      const __m512i z = _mm512_maskz_loadu_epi8(kc, base + s * step);
+      const __m512i lo = _mm512_and_si512(z, low), hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+      const __m512i uv[2] = {_mm512_unpacklo_epi32(lo, hi), _mm512_unpackhi_epi32(lo, hi)};
+      auto part = [&](int p, __m128i bytes) {  // 16 codes: channels c0, c0 + 1, 8 inputs each
+        const int64_t c0 = 4 * (p / 2) + 2 * (p % 2);
+        if (c0 >= r) return;
+        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), dp[p], mp[p]);
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + c0 * Kp + 8 * s), _mm256_castsi256_si128(h));
+        if (c0 + 1 < r) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c0 + 1) * Kp + 8 * s), _mm256_extracti128_si256(h, 1));
+      };
+      for (int h = 0; h < 2; ++h) {
+        part(h, _mm512_castsi512_si128(uv[h]));
+        part(2 + h, _mm512_extracti32x4_epi32(uv[h], 1));
+        part(4 + h, _mm512_extracti32x4_epi32(uv[h], 2));
+        part(6 + h, _mm512_extracti32x4_epi32(uv[h], 3));
+      }
+    }
+  }
+  for (int64_t j = 0; j < r; ++j)
+    std::fill(dst + j * Kp + w.K, dst + (j + 1) * Kp, c10::BFloat16(0.f));
 }
 
 // out[r][0..3] = dot(x[r], wt[0..3]) for RB rows of x and 4 expanded weight rows; both (., Kp).
@@ -305,6 +412,7 @@ inline void micro(const c10::BFloat16* x, const c10::BFloat16* wt, int64_t Kp, f
   for (int r = 0; r < RB; ++r) _mm_storeu_ps(out[r], hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
 
+// xp (M, Kp): x in the order the expanded tile has (int8: kernel order; int4: natural), zero-padded.
 template <int BITS>
 void tiled(const QWeight& w, int64_t M, const c10::BFloat16* xp, int64_t Kp, const c10::BFloat16* bias,
            c10::BFloat16* y) {
@@ -314,7 +422,12 @@ void tiled(const QWeight& w, int64_t M, const c10::BFloat16* xp, int64_t Kp, con
     float scale[kTile];
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t n0 = tile * kTile, nt = std::min(kTile, w.N - n0);
-      for (int64_t j = 0; j < nt; ++j) scale[j] = expand_row<BITS>(w, n0 + j, Kp, wt.data() + j * Kp);
+      if constexpr (BITS == 4) {
+        for (int64_t j = 0; j < nt; j += kBlock) expand_block_int4(w, n0 + j, Kp, wt.data() + j * Kp);
+        std::fill(scale, scale + kTile, 1.f);
+      } else {
+        for (int64_t j = 0; j < nt; ++j) scale[j] = expand_row_int8(w, n0 + j, Kp, wt.data() + j * Kp);
+      }
       const int64_t ntp = (nt + 3) / 4 * 4;  // pad to whole 4-column blocks with zero rows
       std::memset(static_cast<void*>(wt.data() + nt * Kp), 0, (ntp - nt) * Kp * sizeof(c10::BFloat16));
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
@@ -341,10 +454,11 @@ void tiled(const QWeight& w, int64_t M, const c10::BFloat16* xp, int64_t Kp, con
   });
 }
 
-// x (M, K) -> xp (M, Kp) in kernel order, zero-padded: one two-source permute per 64-input chunk.
-void permute_x(const c10::BFloat16* x, int64_t M, int64_t K, int64_t Kp, c10::BFloat16* xp) {
+// x (M, K) -> xp (M, Kp), zero-padded; in kernel order (int8: one two-source permute per 64-input
+// chunk) or as it is (int4).
+void pad_x(const c10::BFloat16* x, int64_t M, int64_t K, int64_t Kp, bool permute, c10::BFloat16* xp) {
   alignas(64) int16_t src[64];
-  for (int p = 0; p < 64; ++p) src[p] = static_cast<int16_t>(chunk_input(p));
+  for (int p = 0; p < 64; ++p) src[p] = static_cast<int16_t>(permute ? chunk_input(p) : p);
   const __m512i idx_lo = _mm512_load_si512(src), idx_hi = _mm512_load_si512(src + 32);
   for (int64_t m = 0; m < M; ++m) {
     const c10::BFloat16* xr = x + m * K;
@@ -360,22 +474,9 @@ void permute_x(const c10::BFloat16* x, int64_t M, int64_t K, int64_t Kp, c10::BF
   }
 }
 
-// Per row and group of g inputs (g a multiple of 32), the float32 sum of x: (M, Gp), zero-padded.
-void group_sums(const c10::BFloat16* x, int64_t M, int64_t K, int64_t g, int64_t Gp, float* out) {
-  std::fill(out, out + M * Gp, 0.f);
-  for (int64_t m = 0; m < M; ++m) {
-    const c10::BFloat16* xr = x + m * K;
-    for (int64_t k = 0; k < K; k += 32) {
-      const __m512i v = _mm512_loadu_si512(xr + k);  // 32 bf16 -> two float vectors
-      const __m512 s = _mm512_add_ps(bf16_lo_to_ps(v), bf16_hi_to_ps(v));
-      out[m * Gp + k / g] += _mm512_reduce_add_ps(s);
-    }
-  }
-}
-
 // xp (M, Kp) bf16 in kernel order -> xq (M, Kp) int8, dx (M, Kp / 64) per 64-input chunk, and corr
 // (M, Kp / 64, 16): -128 * each int32 lane's sum of xq (see codes_u8).
-void quantize_x(const c10::BFloat16* xp, int64_t M, int64_t Kp, int8_t* xq, float* dx, int32_t* corr) {
+void quantize_x64(const c10::BFloat16* xp, int64_t M, int64_t Kp, int8_t* xq, float* dx, int32_t* corr) {
   const int64_t nchunks = Kp / 64;
   for (int64_t i = 0; i < M * nchunks; ++i) {
     const c10::BFloat16* src = xp + i * 64;
@@ -393,14 +494,6 @@ void quantize_x(const c10::BFloat16* xp, int64_t M, int64_t Kp, int8_t* xq, floa
                                                   _mm512_loadu_si512(xq + i * 64));
     _mm512_storeu_si512(corr + i * 16, _mm512_mullo_epi32(lane_sums, _mm512_set1_epi32(-128)));
   }
-}
-
-// Scratch that lives as long as the calling thread: a decode step calls this ~120 times, and two
-// tensor allocations per call cost as much as the permute itself.
-template <typename T>
-T* scratch(std::vector<T>& buf, int64_t n) {
-  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
-  return buf.data();
 }
 
 #endif  // TOKENLOOM_QGEMM
@@ -424,7 +517,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = scales.size(1);
   TORCH_CHECK(scales.size(0) == N && G >= 1 && K % G == 0, "quant_linear: scales must be (N, G) with G dividing K");
   const int64_t g = K / G;
-  const int64_t Kp = (K + 63) / 64 * 64, Gp = (G + 15) / 16 * 16;  // K padded to whole chunks
+  const int64_t Kp = (K + 63) / 64 * 64;  // K padded to whole chunks
   if (bits == 8) {
     TORCH_CHECK(codes.scalar_type() == at::kChar && codes.size(1) == Kp, "quant_linear: int8 codes (N, Kp)");
     TORCH_CHECK(G == 1 || g == 32 || g % 64 == 0, "quant_linear: int8 groups must be the whole row, 32 or a multiple of 64");
@@ -443,47 +536,52 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   if (M == 0 || N == 0) return y;
 #ifdef TOKENLOOM_QGEMM
   const at::Tensor xc = x.contiguous();
-  thread_local std::vector<c10::BFloat16> xp_buf;
-  thread_local std::vector<float> xsum_buf;
-  c10::BFloat16* xpp = scratch(xp_buf, M * Kp);
-  permute_x(xc.data_ptr<c10::BFloat16>(), M, K, Kp, xpp);
+  const c10::BFloat16* xd = xc.data_ptr<c10::BFloat16>();
   QWeight w{static_cast<const uint8_t*>(codes.data_ptr()), codes.size(1), scales.data_ptr<at::Half>(),
             bits == 4 ? mins->data_ptr<at::Half>() : nullptr, N, K, G, g};
   auto* yp = y.data_ptr<c10::BFloat16>();
+  thread_local std::vector<c10::BFloat16> xp_buf;
   if (M > kMaxSkinnyRows) {
+    c10::BFloat16* xpp = scratch(xp_buf, M * Kp);
+    pad_x(xd, M, K, Kp, /*permute=*/bits == 8, xpp);
     if (bits == 4) tiled<4>(w, M, xpp, Kp, b, yp);
     else tiled<8>(w, M, xpp, Kp, b, yp);
     return y;
   }
-  // The few-row path: int4 dots the permuted bf16 x and needs its sums per group; int8 quantizes it.
-  const int64_t nchunks = Kp / 64;
-  QX qx{xpp, nullptr, nullptr, nullptr, nullptr, Kp, nchunks, Gp};
+  // The few-row paths quantize x: int4 per 32 inputs in natural order, int8 per 64 in kernel order.
   if (bits == 4) {
-    float* xs = scratch(xsum_buf, M * Gp);
-    group_sums(xc.data_ptr<c10::BFloat16>(), M, K, g, Gp, xs);
-    qx.sum = xs;
-  } else {
     thread_local std::vector<int8_t> xq_buf;
-    thread_local std::vector<float> dx_buf;
-    thread_local std::vector<int32_t> corr_buf;
+    thread_local std::vector<float> dx_buf, sum_buf;
     int8_t* xq = scratch(xq_buf, M * Kp);
-    float* dx = scratch(dx_buf, M * nchunks);
-    int32_t* corr = scratch(corr_buf, M * nchunks * 16);
-    quantize_x(xpp, M, Kp, xq, dx, corr);
-    qx.q = xq;
-    qx.d = dx;
-    qx.corr = corr;
+    float* dx = scratch(dx_buf, M * Kp / 32);
+    float* xs = scratch(sum_buf, M * G);
+    quantize_x32(xd, M, K, Kp, g, G, xq, dx, xs);
+    const X4 x4{xq, dx, xs, Kp, G};
+#define TL_SKINNY4(MM) case MM: skinny_int4<MM>(w, x4, b, yp); break;
+    switch (M) {
+      TL_SKINNY4(1) TL_SKINNY4(2) TL_SKINNY4(3) TL_SKINNY4(4) TL_SKINNY4(5) TL_SKINNY4(6) TL_SKINNY4(7)
+      default: TL_SKINNY4(8)
+    }
+#undef TL_SKINNY4
+    return y;
   }
-#define TL_SKINNY(MM)                                                   \
-  case MM:                                                              \
-    if (bits == 4) skinny<MM, 4>(w, qx, b, yp);                         \
-    else skinny<MM, 8>(w, qx, b, yp);                                   \
-    break;
+  const int64_t nchunks = Kp / 64;
+  thread_local std::vector<int8_t> xq_buf;
+  thread_local std::vector<float> dx_buf;
+  thread_local std::vector<int32_t> corr_buf;
+  c10::BFloat16* xpp = scratch(xp_buf, M * Kp);
+  pad_x(xd, M, K, Kp, /*permute=*/true, xpp);
+  int8_t* xq = scratch(xq_buf, M * Kp);
+  float* dx = scratch(dx_buf, M * nchunks);
+  int32_t* corr = scratch(corr_buf, M * nchunks * 16);
+  quantize_x64(xpp, M, Kp, xq, dx, corr);
+  const QX qx{xq, dx, corr, Kp, nchunks};
+#define TL_SKINNY8(MM) case MM: skinny_int8<MM>(w, qx, b, yp); break;
   switch (M) {
-    TL_SKINNY(1) TL_SKINNY(2) TL_SKINNY(3) TL_SKINNY(4) TL_SKINNY(5) TL_SKINNY(6) TL_SKINNY(7)
-    default: TL_SKINNY(8)
+    TL_SKINNY8(1) TL_SKINNY8(2) TL_SKINNY8(3) TL_SKINNY8(4) TL_SKINNY8(5) TL_SKINNY8(6) TL_SKINNY8(7)
+    default: TL_SKINNY8(8)
   }
-#undef TL_SKINNY
+#undef TL_SKINNY8
   return y;
 #else
   TORCH_CHECK(false, "quant_linear: built without AVX512-BF16 (use the torch path)");
