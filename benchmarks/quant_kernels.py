@@ -1,9 +1,15 @@
 """Micro-benchmark of the weight-only quantized matmuls on SmolLM2-135M's shapes, M = 1 and 64 rows:
 bf16 F.linear (oneDNN / the skinny kernel's baseline), torch's packed int8/int4 CPU kernels, and
 tokenloom's kernels (int8 per channel, Q8_0-style int8 per 32, int4 with tokenloom's group size and
-with GGUF's 32). Prints median microseconds and the speed-up over bf16.
+with GGUF's 32). Prints median microseconds and the speed-up over bf16. The weights of one layer stay
+in cache between calls, so this measures the kernels' arithmetic.
 
-    python benchmarks/quant_kernels.py [--min-run-time 0.1] [--rows 1,64]
+`--decode-step` measures what a single-stream decode step pays instead: 30 layers' worth of SmolLM2's
+four linears, each its own weights (too many for the caches), called once each with one row, as the
+decode stack does; bf16 through the skinny kernel the engine uses. Prints ms per step and the weight
+bytes read per second.
+
+    python benchmarks/quant_kernels.py [--min-run-time 0.1] [--rows 1,64] [--decode-step]
 """
 
 from __future__ import annotations
@@ -27,11 +33,66 @@ def torch_int4(w: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 2), sz
 
 
+def decode_step(repeats: int = 5, steps: int = 20) -> None:
+    import statistics
+    import time
+
+    from tokenloom.kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        raise SystemExit("--decode-step needs the C++ kernels")
+    torch.manual_seed(0)
+    shapes = [SHAPES[name] for name in ("qkv", "o", "gate_up", "down")]
+    xs = {k: torch.randn(1, k).bfloat16() for _, k in shapes}
+    formats = {
+        "bf16": lambda w: (lambda x, w=w.bfloat16(): kernels.skinny_linear(x, w, None), w.numel() * 2),
+        "int8": lambda w: _sized(Int8Linear.from_codes(*quantize_int8(w))),
+        "int4 g128": lambda w: _sized(Int4Linear.from_codes(*quantize_int4(w, int4_group_size(w.shape[1], 128)))),
+        "int4 g32": lambda w: _sized(Int4Linear.from_codes(*quantize_int4(w, 32))),
+    }
+    for label, make in formats.items():
+        layers = [make(torch.randn(n, k) * 0.05) for _ in range(30) for n, k in shapes]
+        nbytes = sum(b for _, b in layers)
+        calls = [(fn, xs[k]) for (fn, _), (_, k) in zip(layers, shapes * 30)]
+
+        def step() -> None:
+            for fn, x in calls:
+                fn(x)
+
+        for _ in range(3):
+            step()
+        runs = []
+        for _ in range(repeats):
+            times = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t)
+            runs.append(statistics.median(times))
+        med = statistics.median(runs)
+        print(f"{label:10s} {med * 1e3:6.3f} ms per step ({', '.join(f'{r * 1e3:.2f}' for r in runs)}), "
+              f"{nbytes / 1e6:5.1f} MB -> {nbytes / med / 1e9:5.1f} GB/s")
+
+
+def _sized(layer: Int8Linear | Int4Linear) -> tuple[object, int]:
+    """The layer's kernel as the decode stack calls it (no nn.Module), and the bytes it reads."""
+    kernels = layer.kernel_module()
+    if kernels is None:
+        raise SystemExit("--decode-step needs the quantized kernels (AVX512-BF16 and VNNI)")
+    nbytes = sum(t.numel() * t.element_size() for t in (layer.codes, layer.scales, layer.mins) if t is not None)
+    return (lambda x: kernels.quant_linear(x, layer.codes, layer.scales, layer.mins, layer.bits, None)), nbytes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--min-run-time", type=float, default=0.1)
     ap.add_argument("--rows", default="1,64")
+    ap.add_argument("--decode-step", action="store_true", help="time a decode step's worth of layers, out of cache")
     args = ap.parse_args()
+    if args.decode_step:
+        decode_step()
+        return
     torch.manual_seed(0)
     print(f"threads {torch.get_num_threads()}; median us (speed-up vs bf16)")
     for name, (n, k) in SHAPES.items():
