@@ -56,8 +56,9 @@ def _from_positions(pos: torch.Tensor, k: int, version: int) -> torch.Tensor:
 
 
 def _blocks(n: int) -> list[tuple[int, int]]:
-    """(first channel, channels) of each int4 block."""
-    return [(b, min(BLOCK, n - b)) for b in range(0, n, BLOCK)]
+    """Spans (first channel, channels) of int4 blocks: all full blocks as one, then a partial one if any."""
+    full = n // BLOCK * BLOCK
+    return [(b, r) for b, r in ((0, full), (full, n - full)) if r]
 
 
 def int8_to_kernel(q: torch.Tensor, version: int = LAYOUT_VERSION) -> torch.Tensor:
@@ -79,9 +80,10 @@ def int4_to_kernel(q: torch.Tensor, version: int = LAYOUT_VERSION) -> torch.Tens
     qp = _pad(q)
     kp = qp.shape[1]
     out = []
-    for b, r in _blocks(n):
-        t = qp[b:b + r].reshape(r, kp // 8, 2, 4)  # (channel, step, low/high nibble, c)
-        out.append((t[:, :, 0] | (t[:, :, 1] << 4)).permute(1, 0, 2).reshape(-1))  # (step, channel, c)
+    for b, rows in _blocks(n):
+        r = min(rows, BLOCK)
+        t = qp[b:b + rows].reshape(rows // r, r, kp // 8, 2, 4)  # (block, channel, step, low/high nibble, c)
+        out.append((t[:, :, :, 0] | (t[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(-1))  # (block, step, channel, c)
     return torch.cat(out).reshape(n, kp // 2) if out else q.new_zeros(0, kp // 2)
 
 
@@ -93,17 +95,18 @@ def int4_from_kernel(codes: torch.Tensor, k: int, version: int = LAYOUT_VERSION)
         return _from_positions(torch.cat([b & 0x0F, b >> 4], dim=-1), k, version)
     kp = codes.shape[1] * 2
     flat = codes.reshape(-1)
-    rows = []
-    for b, r in _blocks(n):
-        t = flat[b * kp // 2:(b + r) * kp // 2].reshape(kp // 8, r, 4).permute(1, 0, 2)  # (channel, step, c)
-        rows.append(torch.stack([t & 0x0F, t >> 4], dim=2).reshape(r, kp))
-    return (torch.cat(rows) if rows else codes.new_zeros(0, kp))[:, :k]
+    out = []
+    for b, rows in _blocks(n):
+        r = min(rows, BLOCK)
+        t = flat[b * kp // 2:(b + rows) * kp // 2].reshape(rows // r, kp // 8, r, 4).permute(0, 2, 1, 3)
+        out.append(torch.stack([t & 0x0F, t >> 4], dim=3).reshape(rows, kp))  # (block, channel, step, nibble, c)
+    return (torch.cat(out) if out else codes.new_zeros(0, kp))[:, :k]
 
 
 def int4_scales_to_kernel(s: torch.Tensor) -> torch.Tensor:
     """(N, G) per-group scales or mins -> (N, G) in version 3's blocked order."""
     n, g = s.shape
-    parts = [s[b:b + r].t().reshape(-1) for b, r in _blocks(n)]
+    parts = [s[b:b + rows].reshape(-1, min(rows, BLOCK), g).transpose(1, 2).reshape(-1) for b, rows in _blocks(n)]
     return (torch.cat(parts) if parts else s.reshape(-1)).reshape(n, g).contiguous()
 
 
@@ -111,7 +114,8 @@ def int4_scales_from_kernel(s: torch.Tensor) -> torch.Tensor:
     """Inverse of int4_scales_to_kernel."""
     n, g = s.shape
     flat = s.reshape(-1)
-    parts = [flat[b * g:(b + r) * g].reshape(g, r).t() for b, r in _blocks(n)]
+    parts = [flat[b * g:(b + rows) * g].reshape(-1, g, min(rows, BLOCK)).transpose(1, 2).reshape(rows, g)
+             for b, rows in _blocks(n)]
     return (torch.cat(parts) if parts else s).contiguous()
 
 
