@@ -101,16 +101,19 @@ def test_speculative_greedy_outputs_identical(ours: LLM, smollm2_gguf: Path, met
     assert s["spec_decode_accepted_tokens"] > 0 and s["spec_decode_mean_accepted_length"] > 1.0
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_model_still_answers(smollm2_gguf: Path, method: str) -> None:
-    """What we check of quantized greedy output: the factual answer survives, and int8's first tokens
-    equal bf16's (int4 may word it differently)."""
-    kw = dict(kv_cache_memory="256MiB", max_model_len=1024)
+@pytest.mark.parametrize("method,group,gguf_weights", [("int8", 128, "dequantize"), ("int4", 128, "keep"),
+                                                       ("int4", 32, "dequantize")])
+def test_quantized_model_still_answers(smollm2_gguf: Path, method: str, group: int, gguf_weights: str) -> None:
+    """What we check of quantized greedy output: the factual answer survives; and int8, and int4 on
+    32-weight groups (those of the GGUF's Q4_1 blocks), both quantized from the dequantized bf16 weights,
+    begin with bf16's first 5 tokens. int4 at the default group, over the kept GGUF layers, may word it
+    differently."""
+    kw = dict(kv_cache_memory="256MiB", max_model_len=1024, gguf_weights=gguf_weights)
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     sp = SamplingParams(temperature=0, max_tokens=24)
-    q = LLM(str(smollm2_gguf), quantization=method, **kw).chat(msgs, sp)[0].outputs[0]
+    q = LLM(str(smollm2_gguf), quantization=method, quant_group_size=group, **kw).chat(msgs, sp)[0].outputs[0]
     assert "Paris" in q.text
-    if method == "int8":
+    if method == "int8" or group == 32:
         bf = LLM(str(smollm2_gguf), **kw).chat(msgs, sp)[0].outputs[0]
         assert q.token_ids[:5] == bf.token_ids[:5]
 
