@@ -21,7 +21,7 @@
 //     64 codes by 64 xq per instruction; int4's zero point adds m times the group's sum of dx xq.
 //     Weights are prefetched in software: hardware prefetchers stop at 4 KiB pages.
 //     (The int4 path dotted bf16 x with codes made bf16 before 2026-12-03: ~13 instructions per 64
-//     weights against ~4 now, and it could not keep up with memory: 1.6-2x slower per layer.)
+//     weights against ~4 now, and it could not keep up with memory: 1.4-1.8x slower over a decode step's layers.)
 //   M > 8 (prefill, large decode batches): a tile of 32 output channels is expanded to bf16 in a
 //     thread-local buffer (int8 per channel: the codes, exact; grouped: d q + m rounded to bf16 once),
 //     then a 4x4 register-blocked dot-product kernel reuses it for all M rows with x exact in bf16.
