@@ -7,8 +7,25 @@
 #include <cstdint>
 #include <tuple>
 
-// skinny_linear serves 1..kSkinnyMaxRows rows (models/layers.py SKINNY_MAX_ROWS).
+// skinny_linear and quant_linear's few-row paths serve 1..kSkinnyMaxRows rows (models/layers.py
+// SKINNY_MAX_ROWS).
 constexpr int64_t kSkinnyMaxRows = 8;
+
+// The few-row kernels are compiled once per row count: calls f.template operator()<R>() with R = rows,
+// for rows in 1..kSkinnyMaxRows (the caller checks the bound).
+template <typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f.template operator()<1>(); break;
+    case 2: f.template operator()<2>(); break;
+    case 3: f.template operator()<3>(); break;
+    case 4: f.template operator()<4>(); break;
+    case 5: f.template operator()<5>(); break;
+    case 6: f.template operator()<6>(); break;
+    case 7: f.template operator()<7>(); break;
+    default: f.template operator()<8>(); break;
+  }
+}
 
 // An INT8 cache's (num_blocks, block_size, Hkv) scales are per token and head (contiguous) or one per
 // head: an (Hkv,) vector expanded over blocks and tokens (zero strides), see attention/paged_kv.py.

@@ -43,7 +43,6 @@
 
 namespace {
 
-constexpr int kMaxSkinnyRows = 8;
 constexpr int64_t kTile = 32;  // output channels expanded per tile on the many-row path
 constexpr int64_t kBlock = 16;  // int4 output channels per block
 constexpr int64_t kPrefetchSteps = 4;  // int8 prefetch distance, in steps of NR rows
@@ -541,7 +540,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
             bits == 4 ? mins->data_ptr<at::Half>() : nullptr, N, K, G, g};
   auto* yp = y.data_ptr<c10::BFloat16>();
   thread_local std::vector<c10::BFloat16> xp_buf;
-  if (M > kMaxSkinnyRows) {
+  if (M > kSkinnyMaxRows) {
     c10::BFloat16* xpp = scratch(xp_buf, M * Kp);
     pad_x(xd, M, K, Kp, /*permute=*/bits == 8, xpp);
     if (bits == 4) tiled<4>(w, M, xpp, Kp, b, yp);
@@ -557,12 +556,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
     float* xs = scratch(sum_buf, M * G);
     quantize_x32(xd, M, K, Kp, g, G, xq, dx, xs);
     const X4 x4{xq, dx, xs, Kp, G};
-#define TL_SKINNY4(MM) case MM: skinny_int4<MM>(w, x4, b, yp); break;
-    switch (M) {
-      TL_SKINNY4(1) TL_SKINNY4(2) TL_SKINNY4(3) TL_SKINNY4(4) TL_SKINNY4(5) TL_SKINNY4(6) TL_SKINNY4(7)
-      default: TL_SKINNY4(8)
-    }
-#undef TL_SKINNY4
+    with_rows(M, [&]<int R>() { skinny_int4<R>(w, x4, b, yp); });
     return y;
   }
   const int64_t nchunks = Kp / 64;
@@ -576,12 +570,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   int32_t* corr = scratch(corr_buf, M * nchunks * 16);
   quantize_x64(xpp, M, Kp, xq, dx, corr);
   const QX qx{xq, dx, corr, Kp, nchunks};
-#define TL_SKINNY8(MM) case MM: skinny_int8<MM>(w, qx, b, yp); break;
-  switch (M) {
-    TL_SKINNY8(1) TL_SKINNY8(2) TL_SKINNY8(3) TL_SKINNY8(4) TL_SKINNY8(5) TL_SKINNY8(6) TL_SKINNY8(7)
-    default: TL_SKINNY8(8)
-  }
-#undef TL_SKINNY8
+  with_rows(M, [&]<int R>() { skinny_int8<R>(w, qx, b, yp); });
   return y;
 #else
   TORCH_CHECK(false, "quant_linear: built without AVX512-BF16 (use the torch path)");

@@ -101,15 +101,6 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   const auto* xp = xc.data_ptr<c10::BFloat16>();
   const auto* wp = w.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
-  switch (M) {
-    case 1: skinny_kernel<1>(xp, wp, b, yp, N, K); break;
-    case 2: skinny_kernel<2>(xp, wp, b, yp, N, K); break;
-    case 3: skinny_kernel<3>(xp, wp, b, yp, N, K); break;
-    case 4: skinny_kernel<4>(xp, wp, b, yp, N, K); break;
-    case 5: skinny_kernel<5>(xp, wp, b, yp, N, K); break;
-    case 6: skinny_kernel<6>(xp, wp, b, yp, N, K); break;
-    case 7: skinny_kernel<7>(xp, wp, b, yp, N, K); break;
-    default: skinny_kernel<8>(xp, wp, b, yp, N, K); break;
-  }
+  with_rows(M, [&]<int R>() { skinny_kernel<R>(xp, wp, b, yp, N, K); });
   return y;
 }
