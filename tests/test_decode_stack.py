@@ -28,6 +28,7 @@ PROMPTS = ["the cat sat on the mat", "a", "one two three four five six seven eig
 CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     # name: (make_tiny_model arguments, engine options)
     "bf16": ({}, {}),
+    "bf16 without prepacked weights": ({}, {"prepack_weights": False}),
     "qwen2 qkv bias": ({"arch": "qwen2"}, {}),
     "mistral sliding window 8": ({"arch": "mistral", "sliding_window": 8}, {}),
     "int8 weights": ({}, {"quantization": "int8"}),

@@ -59,7 +59,10 @@ def test_rotary_inplace_on_fused_qkv_views(dtype: torch.dtype, head_dim: int) ->
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim, hq, hkv", [(64, 9, 3), (128, 4, 4), (48, 8, 2)])
+# Query heads per KV head G: the fast kernels take them in register-sized chunks (4 at D 64, 2 at 128, 1 at
+# 256): G = 3, 1, 7 (4 + 3), 8 (4 + 4), 3 at 128 (2 + 1), 2 at 256; D = 48 is the portable kernel.
+@pytest.mark.parametrize("head_dim, hq, hkv", [(64, 9, 3), (128, 4, 4), (48, 8, 2), (64, 14, 2), (64, 8, 1),
+                                               (128, 6, 2), (256, 4, 2)])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("cache", ["model dtype", "int8 per token", "int8 per head"])
 def test_paged_decode_matches_reference(dtype: torch.dtype, head_dim: int, hq: int, hkv: int, window: int | None,

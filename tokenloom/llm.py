@@ -20,7 +20,7 @@ class LLM:
     """Loads a model once and generates for many prompts with continuous batching.
 
     Keyword arguments are `EngineConfig` fields: dtype, block_size, kv_cache_memory, max_model_len,
-    max_num_seqs, max_num_batched_tokens, attention_backend, fused_decode, quantization, kv_cache_dtype,
+    max_num_seqs, max_num_batched_tokens, attention_backend, fused_decode, prepack_weights, quantization, kv_cache_dtype,
     kv_cache_scales, enable_prefix_caching, speculative, seed, num_threads, device.
     """
 

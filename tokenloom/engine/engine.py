@@ -27,6 +27,7 @@ from tokenloom.engine.sampler import Sampler
 from tokenloom.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenloom.engine.sequence import Sequence, SequenceStatus
 from tokenloom.errors import ConfigError, ContextTooLong, InvalidRequest
+from tokenloom.models.layers import prepack_available, prepack_linears
 from tokenloom.models.llama import LlamaForCausalLM
 from tokenloom.models.loader import LoadedModel, load_model
 from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -111,6 +112,7 @@ class LLMEngine:
             log.info("quantized %d linear layers to %s", n, config.quantization)
         if isinstance(self.backend, CPUBackend):
             self.loaded.model.set_kernels(self.backend.kernels)
+            self._prepack(self.loaded)
         mcfg = self.loaded.config
         self.model_config = mcfg
         self.tokenizer = self.loaded.tokenizer
@@ -165,6 +167,17 @@ class LLMEngine:
     def model_name(self) -> str:
         return self.loaded.name
 
+    def _prepack(self, loaded: LoadedModel) -> None:
+        """--prepack-weights: oneDNN-blocked copies of the dense bfloat16 linears (models/layers.py Linear)."""
+        if not self.config.prepack_weights or loaded.dtype != torch.bfloat16:
+            return
+        if not prepack_available():
+            log.info("weight prepacking off: this torch build has no oneDNN bfloat16 matmul on this CPU")
+            return
+        # oneDNN picks its blocking for a typical row count: a step's decode rows, at most its token budget.
+        nbytes = prepack_linears(loaded.model, min(self.config.max_num_seqs, self.config.max_num_batched_tokens))
+        log.info("prepacked %s's dense linear weights for oneDNN: %.1f MB more", loaded.name, nbytes / 1e6)
+
     def _calibrate(self, model: LlamaForCausalLM) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-head INT8 KV scales of `model` (engine/kv_calibration.py): one prefill at start-up."""
         t = time.monotonic()
@@ -185,6 +198,7 @@ class LLMEngine:
         draft = load_model(cfg.draft_model, cfg.dtype, self.device, self.backend, self.max_model_len, cfg.gguf_weights)
         if isinstance(self.backend, CPUBackend):
             draft.model.set_kernels(self.backend.kernels)
+            self._prepack(draft)
         if draft.config.vocab_size != mcfg.vocab_size:
             raise ConfigError(f"--draft-model vocabulary ({draft.config.vocab_size}) differs from the target's "
                               f"({mcfg.vocab_size}); a draft must share the target's tokenizer")

@@ -73,7 +73,7 @@ def _is_dense_bf16(m: torch.nn.Module) -> bool:
 def _fused_linear(kernels: ModuleType, m: torch.nn.Module) -> Any:  # a kernels.FusedLinear
     if isinstance(m, QuantLinear):
         return kernels.FusedLinear(m.codes, m.scales, m.mins, m.bias, m.bits)
-    return kernels.FusedLinear(m.weight, None, None, m.bias, 16)
+    return kernels.FusedLinear(m.weight, None, None, m.bias, 16, m.packed)
 
 
 def build_fused_decoder(kernels: ModuleType | None, model: LlamaForCausalLM, kv_caches: list[LayerKVCache],

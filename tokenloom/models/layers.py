@@ -15,18 +15,56 @@ from tokenloom.models.config import RopeScaling
 SKINNY_MAX_ROWS = 8  # the C++ few-row matmul serves 1..8 rows (decode and speculative verification)
 
 
+def prepack_available() -> bool:
+    """Whether this torch build can hold bfloat16 weights in oneDNN's blocked layout (x86 with AVX512-BF16
+    or AMX; the ops live in torch's CPU library, no compiler needed)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 class Linear(nn.Linear):
-    """nn.Linear whose few-row bfloat16 matmuls on CPU go to the C++ kernel that streams the weight once
-    (`kernels.skinny_linear`); everything else is F.linear, which is also its reference."""
+    """nn.Linear with two CPU fast paths for bfloat16, both exact stand-ins for F.linear (its reference):
+
+    - `packed`: the weight reordered once, at load, into oneDNN's blocked layout (`prepack`). F.linear
+      hands oneDNN a plain weight that it reorders on every call; at 64 rows that reorder costs as much as
+      the AMX matmul itself. The packed matmul gives F.linear's values bit for bit (tests/test_prepack.py)
+      and serves every matmul of 2+ rows: prefill chunks, batched decode, speculative verification.
+    - `kernels.skinny_linear`: the C++ kernel that streams the weight once, for one row (single-stream
+      decode) and, when there is no packed copy, for up to SKINNY_MAX_ROWS rows.
+    engine/fused_decode.py's C++ FusedLinear makes the same choice from the same tensors.
+    """
 
     kernels: ModuleType | None = None  # set only when the kernel has its AVX512-BF16 fast path
+    packed: torch.Tensor | None = None  # oneDNN-blocked copy of `weight` (an opaque mkldnn tensor)
+
+    def prepack(self, rows_hint: int) -> int:
+        """Keep a oneDNN-blocked copy of the (frozen) bfloat16 weight; returns its bytes. `rows_hint` is the
+        typical number of rows, from which oneDNN picks the blocking."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows_hint)
+        return self.weight.numel() * self.weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if self.packed is not None and rows >= 2 and x.dtype == torch.bfloat16:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         k = self.kernels
-        if (k is not None and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS and x.dtype == torch.bfloat16
-                and x.is_cpu and self.weight.dtype == torch.bfloat16 and self.weight.is_contiguous()):
+        if (k is not None and 0 < rows <= (1 if self.packed is not None else SKINNY_MAX_ROWS)
+                and x.dtype == torch.bfloat16 and x.is_cpu and self.weight.dtype == torch.bfloat16
+                and self.weight.is_contiguous()):
             return k.skinny_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def prepack_linears(model: nn.Module, rows_hint: int) -> int:
+    """`Linear.prepack` every bfloat16 CPU `Linear` of `model` (quantized layers keep their own kernels);
+    returns the bytes added. Call after the weights are final (loaded, quantized)."""
+    total = 0
+    for m in model.modules():
+        if type(m) is Linear and m.weight.dtype == torch.bfloat16 and m.weight.is_cpu:
+            total += m.prepack(rows_hint)
+    return total
 
 
 class RMSNorm(nn.Module):

@@ -146,61 +146,118 @@ static inline void context_slots(const int64_t* bt, int64_t max_blocks, int64_t 
   for (int64_t t = first; t < len; ++t) slots[t - first] = bt[b * max_blocks + t / block_size] * block_size + t % block_size;
 }
 
-// One query head g of one (sequence, kv head) over n context tokens whose K and V rows are bfloat16 at
-// krow(i), vrow(i) (D = kD a multiple of 32):
+// kG query heads that share one KV head, over n context tokens whose K and V rows are bfloat16 at krow(i),
+// vrow(i) (D = kD a multiple of 32); head g's query at qg + g * kD, its output at og + g * kD:
 //   scores: q_g . k_t by vdpbf16ps (bf16 products are exact in float32), four tokens per hsum4, times
 //           the softmax scale (and with kScaled each token's K scale ks[t]: q . (c s) = s (q . c));
 //   softmax: float32, normalised once at the end (out = sum_t e_t v_t / sum_t e_t);
 //   values: each bf16 row of V splits into its even and odd elements as float32 (a shift and a mask),
 //           which accumulate apart (weighted e_t, or e_t vs[t] with kScaled) and are interleaved back once.
-// `sc` is scratch for n scores.
-template <int64_t kD, bool kScaled, typename KRow, typename VRow>
-static inline void attend_head_bf16(const c10::BFloat16* qg, KRow krow, VRow vrow, const float* ks, const float* vs,
-                                    int64_t n, float fscale, float* sc, c10::BFloat16* og) {
+// Each K and V row is loaded once for all kG heads: one head at a time re-read every row G times from
+// L1/L2, and at 64 sequences attention was a third of a decode step. Every head's arithmetic is the same,
+// in the same order, whatever kG is. `sc` is scratch for kG * n scores.
+// Rows are 2 * kD bytes scattered over blocks (and over heads within a token): the hardware prefetcher
+// does not follow them, so each row is requested kAhead tokens before it is used.
+constexpr int64_t kAhead = 16;
+template <int64_t kD>
+static inline void prefetch_row(const c10::BFloat16* row) {
+  for (int64_t b = 0; b < kD * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+}
+
+template <int64_t kD, bool kScaled, int kG, typename KRow, typename VRow>
+static inline void attend_heads_bf16(const c10::BFloat16* qg, KRow krow, VRow vrow, const float* ks, const float* vs,
+                                     int64_t n, float fscale, float* sc, c10::BFloat16* og) {
   constexpr int64_t V = kD / 32;  // 512-bit vectors per bf16 row
   const __m512i odd_mask = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  __m512bh qv[V];
-  for (int64_t v = 0; v < V; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(qg + 32 * v);
-  auto dot = [&](int64_t i) {
+  __m512bh qv[kG][V];
+  for (int g = 0; g < kG; ++g)
+    for (int64_t v = 0; v < V; ++v) qv[g][v] = (__m512bh)_mm512_loadu_si512(qg + g * kD + 32 * v);
+  auto dots = [&](int64_t i, __m512* a) {  // a[g] = the kG partial dot products of token i
     const c10::BFloat16* k = krow(i);
-    __m512 a = _mm512_setzero_ps();
-    for (int64_t v = 0; v < V; ++v) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(k + 32 * v), qv[v]);
-    return a;
+    if (i + kAhead < n) prefetch_row<kD>(krow(i + kAhead));
+    for (int g = 0; g < kG; ++g) a[g] = _mm512_setzero_ps();
+    for (int64_t v = 0; v < V; ++v) {
+      const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + 32 * v);
+      for (int g = 0; g < kG; ++g) a[g] = _mm512_dpbf16_ps(a[g], kv, qv[g][v]);
+    }
   };
   const __m128 fs = _mm_set1_ps(fscale);
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
-    __m128 s4 = _mm_mul_ps(hsum4(dot(i), dot(i + 1), dot(i + 2), dot(i + 3)), fs);
-    if constexpr (kScaled) s4 = _mm_mul_ps(s4, _mm_loadu_ps(ks + i));
-    _mm_storeu_ps(sc + i, s4);
-  }
-  for (; i < n; ++i) sc[i] = _mm512_reduce_add_ps(dot(i)) * fscale * (kScaled ? ks[i] : 1.f);
-  const float sum = exp_minus_max(sc, n);
-  __m512 even[V], odd[V];
-  for (int64_t v = 0; v < V; ++v) even[v] = odd[v] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const __m512 p = _mm512_set1_ps(kScaled ? sc[j] * vs[j] : sc[j]);
-    const c10::BFloat16* row = vrow(j);
-    for (int64_t v = 0; v < V; ++v) {
-      const __m512i x = _mm512_loadu_si512(row + 32 * v);
-      even[v] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), even[v]);
-      odd[v] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_and_si512(x, odd_mask)), odd[v]);
+    __m512 a0[kG], a1[kG], a2[kG], a3[kG];
+    dots(i, a0);
+    dots(i + 1, a1);
+    dots(i + 2, a2);
+    dots(i + 3, a3);
+    for (int g = 0; g < kG; ++g) {
+      __m128 s4 = _mm_mul_ps(hsum4(a0[g], a1[g], a2[g], a3[g]), fs);
+      if constexpr (kScaled) s4 = _mm_mul_ps(s4, _mm_loadu_ps(ks + i));
+      _mm_storeu_ps(sc + g * n + i, s4);
     }
   }
-  const __m512 inv = _mm512_set1_ps(1.f / sum);
-  for (int64_t v = 0; v < V; ++v) {
-    alignas(64) float e[16], o[16];
-    _mm512_store_ps(e, _mm512_mul_ps(even[v], inv));
-    _mm512_store_ps(o, _mm512_mul_ps(odd[v], inv));
-    for (int j = 0; j < 16; ++j) {  // bf16 lane pair j of the row: elements 2j (low half), 2j + 1
-      og[32 * v + 2 * j] = from_float<c10::BFloat16>(e[j]);
-      og[32 * v + 2 * j + 1] = from_float<c10::BFloat16>(o[j]);
+  for (; i < n; ++i) {
+    __m512 a[kG];
+    dots(i, a);
+    for (int g = 0; g < kG; ++g) sc[g * n + i] = _mm512_reduce_add_ps(a[g]) * fscale * (kScaled ? ks[i] : 1.f);
+  }
+  for (int64_t j = 0; j < std::min(n, kAhead); ++j) prefetch_row<kD>(vrow(j));  // V's first rows, under the softmax
+  float sum[kG];
+  for (int g = 0; g < kG; ++g) sum[g] = exp_minus_max(sc + g * n, n);
+  __m512 even[kG][V], odd[kG][V];
+  for (int g = 0; g < kG; ++g)
+    for (int64_t v = 0; v < V; ++v) even[g][v] = odd[g][v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const c10::BFloat16* row = vrow(j);
+    if (j + kAhead < n) prefetch_row<kD>(vrow(j + kAhead));
+    __m512 p[kG];
+    for (int g = 0; g < kG; ++g) p[g] = _mm512_set1_ps(kScaled ? sc[g * n + j] * vs[j] : sc[g * n + j]);
+    for (int64_t v = 0; v < V; ++v) {
+      const __m512i x = _mm512_loadu_si512(row + 32 * v);
+      const __m512 xe = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      const __m512 xo = _mm512_castsi512_ps(_mm512_and_si512(x, odd_mask));
+      for (int g = 0; g < kG; ++g) {
+        even[g][v] = _mm512_fmadd_ps(p[g], xe, even[g][v]);
+        odd[g][v] = _mm512_fmadd_ps(p[g], xo, odd[g][v]);
+      }
+    }
+  }
+  for (int g = 0; g < kG; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.f / sum[g]);
+    for (int64_t v = 0; v < V; ++v) {
+      alignas(64) float e[16], o[16];
+      _mm512_store_ps(e, _mm512_mul_ps(even[g][v], inv));
+      _mm512_store_ps(o, _mm512_mul_ps(odd[g][v], inv));
+      for (int j = 0; j < 16; ++j) {  // bf16 lane pair j of the row: elements 2j (low half), 2j + 1
+        og[g * kD + 32 * v + 2 * j] = from_float<c10::BFloat16>(e[j]);
+        og[g * kD + 32 * v + 2 * j + 1] = from_float<c10::BFloat16>(o[j]);
+      }
     }
   }
 }
 
-// bfloat16 q and cache, D = kD a multiple of 32: each (sequence, kv head) reads its K/V rows in place;
-// the G query heads re-read them from cache, not from memory.
+// All G query heads of one KV head (q at qg, out at og, head after head), in chunks of as many heads as
+// the registers hold: 4 at D = 64 (4 heads x 4 tokens of score accumulators + 8 query vectors), 2 at
+// 128, 1 at 256.
+template <int64_t kD, bool kScaled, typename KRow, typename VRow>
+static inline void attend_group_bf16(int64_t G, const c10::BFloat16* qg, KRow krow, VRow vrow, const float* ks,
+                                     const float* vs, int64_t n, float fscale, float* sc, c10::BFloat16* og) {
+  constexpr int kMax = kD <= 64 ? 4 : kD <= 128 ? 2 : 1;
+  for (int64_t g = 0; g < G;) {
+    const int64_t r = std::min<int64_t>(G - g, kMax);
+    const c10::BFloat16* q = qg + g * kD;
+    c10::BFloat16* o = og + g * kD;
+    switch (r) {
+      case 4: if constexpr (kMax >= 4) attend_heads_bf16<kD, kScaled, 4>(q, krow, vrow, ks, vs, n, fscale, sc, o); break;
+      case 3: if constexpr (kMax >= 3) attend_heads_bf16<kD, kScaled, 3>(q, krow, vrow, ks, vs, n, fscale, sc, o); break;
+      case 2: if constexpr (kMax >= 2) attend_heads_bf16<kD, kScaled, 2>(q, krow, vrow, ks, vs, n, fscale, sc, o); break;
+      default: attend_heads_bf16<kD, kScaled, 1>(q, krow, vrow, ks, vs, n, fscale, sc, o); break;
+    }
+    g += r;
+  }
+}
+
+// bfloat16 q and cache, D = kD a multiple of 32: each (sequence, kv head) reads its K/V rows in place,
+// once for all the G query heads that share them.
 template <int64_t kD>
 static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
@@ -223,12 +280,11 @@ static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, co
       const int64_t b = item / Hkv, h = item % Hkv;
       context_slots(bt, max_blocks, block_size, b, lens[b], sliding_window, slots);
       const int64_t n = static_cast<int64_t>(slots.size());
-      scores.resize(n);
+      scores.resize(G * n);
       auto krow = [&](int64_t i) { return kp + slots[i] * token_stride + h * kD; };
       auto vrow = [&](int64_t i) { return vp + slots[i] * token_stride + h * kD; };
-      for (int64_t g = 0; g < G; ++g)
-        attend_head_bf16<kD, false>(qp + (b * Hq + h * G + g) * kD, krow, vrow, nullptr, nullptr, n, fscale,
-                                    scores.data(), op + (b * Hq + h * G + g) * kD);
+      attend_group_bf16<kD, false>(G, qp + (b * Hq + h * G) * kD, krow, vrow, nullptr, nullptr, n, fscale,
+                                   scores.data(), op + (b * Hq + h * G) * kD);
     }
   });
 }
@@ -236,7 +292,7 @@ static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, co
 // INT8 codes, D = kD a multiple of 32. Per (sequence, kv head): the context's K and V codes are widened
 // once into scratch, exactly (8-bit integers fit the 8-bit significand of bfloat16 and float32), with each
 // token's K and V scale beside them (the head's fixed scale, or the token's own); then per query head:
-//   bfloat16 q: the bfloat16 kernel's arithmetic over the scratch rows (attend_head_bf16, scaled);
+//   bfloat16 q: the bfloat16 kernel's arithmetic over the scratch rows (attend_group_bf16, scaled);
 //   other q dtypes: float32 rows, q . k by FMAs, four tokens per hsum4, times the token's K scale;
 //           values sum_t (e_t vs_t) v_t, normalised once at the end.
 // The portable kernel widened every row again for every query head and reduced every dot product on
@@ -297,13 +353,12 @@ static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, co
       vf.resize(n * kD);
       widen_rows(kp + h * kD, slots, n, kf.data());
       widen_rows(vp + h * kD, slots, n, vf.data());
-      scores.resize(n);
+      scores.resize(G * n);
       if constexpr (kBF16) {
         auto krow = [&](int64_t i) { return kf.data() + i * kD; };
         auto vrow = [&](int64_t i) { return vf.data() + i * kD; };
-        for (int64_t g = 0; g < G; ++g)
-          attend_head_bf16<kD, true>(qp + (b * Hq + h * G + g) * kD, krow, vrow, ks.data(), vs.data(), n, fscale,
-                                     scores.data(), op + (b * Hq + h * G + g) * kD);
+        attend_group_bf16<kD, true>(G, qp + (b * Hq + h * G) * kD, krow, vrow, ks.data(), vs.data(), n, fscale,
+                                    scores.data(), op + (b * Hq + h * G) * kD);
       } else {
         for (int64_t g = 0; g < G; ++g) {
           const scalar_t* qg = qp + (b * Hq + h * G + g) * kD;

@@ -1,0 +1,84 @@
+"""Prepacked weights (models/layers.py Linear.prepack, --prepack-weights): the oneDNN-blocked copy gives
+F.linear's values bit for bit, serves exactly the matmuls of 2+ rows, and changes no token the engine
+produces."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.cli import build_parser, engine_config
+from tokenloom.kernels import load_cpu_kernels
+from tokenloom.models.layers import Linear, prepack_available, prepack_linears
+
+pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN bfloat16 matmul here")
+
+K = load_cpu_kernels()
+SKINNY = K if K is not None and K.skinny_available() else None
+
+
+def _linear(n: int, k: int, bias: bool, seed: int = 0) -> Linear:
+    torch.manual_seed(seed)
+    lin = Linear(k, n, bias=bias).to(torch.bfloat16).requires_grad_(False)
+    lin.kernels = SKINNY
+    return lin
+
+
+@pytest.mark.parametrize("rows", [2, 3, 8, 9, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(96, 64), (45, 100)])  # (out, in): blocked sizes and odd ones
+def test_packed_matmul_equals_f_linear_bit_for_bit(rows: int, bias: bool, shape: tuple[int, int]) -> None:
+    lin = _linear(*shape, bias)
+    x = torch.randn(rows, shape[1]).bfloat16()
+    want = F.linear(x, lin.weight, lin.bias)
+    assert lin.prepack(rows_hint=64) == lin.weight.numel() * 2
+    assert torch.equal(lin(x), want)
+    strided = torch.randn(rows, shape[1] + 7).bfloat16()[:, 3 : 3 + shape[1]]  # a non-contiguous view
+    assert torch.equal(lin(strided), F.linear(strided, lin.weight, lin.bias))
+
+
+def test_packed_copy_serves_two_rows_and_more_only() -> None:
+    """Routing: give the packed copy a different weight and see which rows it answers."""
+    lin = _linear(64, 96, bias=False)
+    other = torch.randn(64, 96).bfloat16()
+    lin.packed = torch.ops.mkldnn._reorder_linear_weight(other, 16)
+    x = torch.randn(9, 96).bfloat16()
+    for rows in (2, 5, 9):
+        assert torch.equal(lin(x[:rows]), F.linear(x[:rows], other))
+    one = lin(x[:1])  # one row: the skinny kernel (or F.linear) on the plain weight
+    want = K.skinny_linear(x[:1], lin.weight, None) if SKINNY is not None else F.linear(x[:1], lin.weight)
+    assert torch.equal(one, want)
+
+
+def test_prepack_linears_packs_every_dense_bf16_layer(tiny_llama: Path) -> None:
+    on = LLM(str(tiny_llama), dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256)
+    layers = [m for m in on.engine.loaded.model.modules() if isinstance(m, Linear)]
+    assert layers and all(m.packed is not None for m in layers)
+    off = LLM(str(tiny_llama), dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, prepack_weights=False)
+    assert all(m.packed is None for m in off.engine.loaded.model.modules() if isinstance(m, Linear))
+    f32 = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB", max_model_len=256)
+    assert all(m.packed is None for m in f32.engine.loaded.model.modules() if isinstance(m, Linear))
+    assert prepack_linears(f32.engine.loaded.model, 16) == 0  # float32 layers are left alone
+
+
+def test_prepacked_engine_gives_the_same_tokens(tiny_llama: Path) -> None:
+    prompts = ["the cat sat on the mat", "a", "one two three four five six seven eight nine ten", "hello world"] * 3
+    params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2)
+    runs = [LLM(str(tiny_llama), dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, block_size=4,
+                prepack_weights=p).generate(prompts, params) for p in (True, False)]
+    for a, b in zip(*runs):
+        # Without the packed copy, 2..8-row matmuls run the skinny kernel: the same products summed in
+        # another order, so logprobs agree to bfloat16 rounding rather than bit for bit.
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.logprob == pytest.approx(lb.logprob, abs=0.05)
+
+
+def test_cli_flag() -> None:
+    p = build_parser()
+    assert engine_config(p.parse_args(["generate", "hi"])).prepack_weights is True
+    assert engine_config(p.parse_args(["generate", "hi", "--no-prepack-weights"])).prepack_weights is False
