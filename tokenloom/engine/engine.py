@@ -176,7 +176,8 @@ class LLMEngine:
             return
         # oneDNN picks its blocking for a typical row count: a step's decode rows, at most its token budget.
         nbytes = prepack_linears(loaded.model, min(self.config.max_num_seqs, self.config.max_num_batched_tokens))
-        log.info("prepacked %s's dense linear weights for oneDNN: %.1f MB more", loaded.name, nbytes / 1e6)
+        if nbytes:  # a model whose linears are all quantized has none
+            log.info("prepacked %s's dense linear weights for oneDNN: %.1f MB more", loaded.name, nbytes / 1e6)
 
     def _calibrate(self, model: LlamaForCausalLM) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-head INT8 KV scales of `model` (engine/kv_calibration.py): one prefill at start-up."""

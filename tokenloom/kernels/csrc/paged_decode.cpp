@@ -322,6 +322,9 @@ static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, co
   auto widen_rows = [&](const int8_t* base, const std::vector<int64_t>& slots, int64_t n, row_t* dst) {
     for (int64_t i = 0; i < n; ++i) {
       const int8_t* row = base + slots[i] * token_stride;
+      if (i + kAhead < n)  // scattered rows, as in the bfloat16 kernel
+        for (int64_t b = 0; b < kD; b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(base + slots[i + kAhead] * token_stride) + b, _MM_HINT_T0);
       for (int64_t v = 0; v < V; v += 2) {
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v))));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v + 16))));
