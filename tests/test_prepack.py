@@ -82,3 +82,17 @@ def test_cli_flag() -> None:
     p = build_parser()
     assert engine_config(p.parse_args(["generate", "hi"])).prepack_weights is True
     assert engine_config(p.parse_args(["generate", "hi", "--no-prepack-weights"])).prepack_weights is False
+
+
+def test_no_prepacking_when_the_copy_would_crowd_memory(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    import tokenloom.engine.engine as engine_mod
+
+    dense = sum(m.weight.numel() * 2 for m in LLM(str(tiny_llama), dtype="bfloat16", kv_cache_memory="8MiB",
+                                                    prepack_weights=False).engine.loaded.model.modules()
+                if isinstance(m, Linear))
+    monkeypatch.setattr(engine_mod, "free_memory_bytes", lambda device: 2 * dense - 2)  # the copy > half of it
+    with caplog.at_level("WARNING", logger="tokenloom.engine"):
+        llm = LLM(str(tiny_llama), dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256)
+    assert all(m.packed is None for m in llm.engine.loaded.model.modules() if isinstance(m, Linear))
+    assert "not prepacking" in caplog.text

@@ -18,7 +18,7 @@ from tokenloom.attention.base import get_backend
 from tokenloom.attention.cpu import CPUBackend
 from tokenloom.config import EngineConfig
 from tokenloom.engine.fused_decode import build_fused_decoder
-from tokenloom.engine.kv_cache import KVCacheSpec, allocate_kv_cache, plan_capacity
+from tokenloom.engine.kv_cache import KVCacheSpec, allocate_kv_cache, free_memory_bytes, plan_capacity
 from tokenloom.engine.kv_calibration import calibrate_kv_scales, calibration_prompts
 from tokenloom.engine.kv_cache_manager import KVCacheManager
 from tokenloom.engine.output_processor import append_tokens, take_delta
@@ -27,7 +27,7 @@ from tokenloom.engine.sampler import Sampler
 from tokenloom.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenloom.engine.sequence import Sequence, SequenceStatus
 from tokenloom.errors import ConfigError, ContextTooLong, InvalidRequest
-from tokenloom.models.layers import prepack_available, prepack_linears
+from tokenloom.models.layers import prepack_available, prepack_linears, prepackable
 from tokenloom.models.llama import LlamaForCausalLM
 from tokenloom.models.loader import LoadedModel, load_model
 from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -174,10 +174,18 @@ class LLMEngine:
         if not prepack_available():
             log.info("weight prepacking off: this torch build has no oneDNN bfloat16 matmul on this CPU")
             return
+        need = sum(m.weight.numel() * m.weight.element_size() for m in prepackable(loaded.model))
+        if need == 0:  # every linear is quantized
+            return
+        free = free_memory_bytes(self.device)
+        if need > free // 2:  # a second copy must not crowd out the KV cache (or the machine)
+            log.warning("not prepacking %s's linear weights: the copy needs %.2f GiB of %.2f GiB free; prefill "
+                        "and batched decode run slower (--no-prepack-weights silences this)", loaded.name,
+                        need / 2**30, free / 2**30)
+            return
         # oneDNN picks its blocking for a typical row count: a step's decode rows, at most its token budget.
         nbytes = prepack_linears(loaded.model, min(self.config.max_num_seqs, self.config.max_num_batched_tokens))
-        if nbytes:  # a model whose linears are all quantized has none
-            log.info("prepacked %s's dense linear weights for oneDNN: %.1f MB more", loaded.name, nbytes / 1e6)
+        log.info("prepacked %s's dense linear weights for oneDNN: %.1f MB more", loaded.name, nbytes / 1e6)
 
     def _calibrate(self, model: LlamaForCausalLM) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-head INT8 KV scales of `model` (engine/kv_calibration.py): one prefill at start-up."""
