@@ -1,6 +1,6 @@
-"""Prepacked weights (models/layers.py Linear.prepack, --prepack-weights): the oneDNN-blocked copy gives
-F.linear's values bit for bit, serves exactly the matmuls of 2+ rows, and changes no token the engine
-produces."""
+"""Prepacked weights (models/layers.py Linear.prepack, --prepack-weights): the oneDNN-blocked copy computes
+x @ W.T to bfloat16 rounding, serves exactly the matmuls of 2..PACKED_MAX_ROWS rows, and changes no token
+the engine produces."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from tokenloom import LLM, SamplingParams
 from tokenloom.cli import build_parser, engine_config
 from tokenloom.kernels import load_cpu_kernels
-from tokenloom.models.layers import Linear, prepack_available, prepack_linears
+from tokenloom.models.layers import PACKED_MAX_ROWS, Linear, prepack_available, prepack_linears
 
 pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN bfloat16 matmul here")
 
@@ -28,30 +28,34 @@ def _linear(n: int, k: int, bias: bool, seed: int = 0) -> Linear:
     return lin
 
 
-@pytest.mark.parametrize("rows", [2, 3, 8, 9, 64, 300])
+@pytest.mark.parametrize("rows", [2, 3, 8, 9, 64, PACKED_MAX_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(96, 64), (45, 100)])  # (out, in): blocked sizes and odd ones
-def test_packed_matmul_equals_f_linear_bit_for_bit(rows: int, bias: bool, shape: tuple[int, int]) -> None:
+def test_packed_matmul_matches_float32_reference(rows: int, bias: bool, shape: tuple[int, int]) -> None:
     lin = _linear(*shape, bias)
-    x = torch.randn(rows, shape[1]).bfloat16()
-    want = F.linear(x, lin.weight, lin.bias)
     assert lin.prepack(rows_hint=64) == lin.weight.numel() * 2
-    assert torch.equal(lin(x), want)
+    x = torch.randn(rows, shape[1]).bfloat16()
     strided = torch.randn(rows, shape[1] + 7).bfloat16()[:, 3 : 3 + shape[1]]  # a non-contiguous view
-    assert torch.equal(lin(strided), F.linear(strided, lin.weight, lin.bias))
+    b = None if lin.bias is None else lin.bias.float()
+    for inp in (x, strided):
+        got = lin(inp)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, shape[0])
+        # bf16 products are exact in float32: only the final rounding and the summation order differ.
+        torch.testing.assert_close(got.float(), F.linear(inp.float(), lin.weight.float(), b), rtol=8e-3, atol=2e-2)
 
 
-def test_packed_copy_serves_two_rows_and_more_only() -> None:
+def test_packed_copy_serves_two_to_packed_max_rows() -> None:
     """Routing: give the packed copy a different weight and see which rows it answers."""
     lin = _linear(64, 96, bias=False)
     other = torch.randn(64, 96).bfloat16()
     lin.packed = torch.ops.mkldnn._reorder_linear_weight(other, 16)
-    x = torch.randn(9, 96).bfloat16()
-    for rows in (2, 5, 9):
-        assert torch.equal(lin(x[:rows]), F.linear(x[:rows], other))
-    one = lin(x[:1])  # one row: the skinny kernel (or F.linear) on the plain weight
+    x = torch.randn(PACKED_MAX_ROWS + 1, 96).bfloat16()
+    for rows in (2, 5, 9, PACKED_MAX_ROWS):
+        torch.testing.assert_close(lin(x[:rows]), F.linear(x[:rows], other), rtol=8e-3, atol=2e-2)
+    # One row: the skinny kernel (or F.linear) on the plain weight; more than PACKED_MAX_ROWS: F.linear.
     want = K.skinny_linear(x[:1], lin.weight, None) if SKINNY is not None else F.linear(x[:1], lin.weight)
-    assert torch.equal(one, want)
+    assert torch.equal(lin(x[:1]), want)
+    assert torch.equal(lin(x), F.linear(x, lin.weight))
 
 
 def test_prepack_linears_packs_every_dense_bf16_layer(tiny_llama: Path) -> None:

@@ -31,8 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="cpu backend: run a pure decode step's layers in one C++ call (same results as the "
                         "layer-by-layer Python path, which --no-fused-decode forces)")
     g.add_argument("--prepack-weights", default=d.prepack_weights, action=argparse.BooleanOptionalAction,
-                   help="cpu, bfloat16: keep a oneDNN-blocked copy of each dense linear weight for matmuls of 2+ "
-                        "rows (prefill, batched decode: AMX where the CPU has it); a second copy of those weights")
+                   help="cpu, bfloat16: keep a oneDNN-blocked copy of each dense linear weight for matmuls of 2-256 "
+                        "rows (batched decode, verification: AMX where the CPU has it); a second copy of those weights")
     g.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantization of the decoder's linear layers at load (CPU, bfloat16)")
     g.add_argument("--quant-group-size", type=int, default=d.quant_group_size, help="int4 group size")

@@ -27,8 +27,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens in one step: decodes + prefill chunks
     attention_backend: str = "auto"  # auto | cpu | sdpa | reference
     fused_decode: bool = True  # CPU backend: a pure decode step runs the layer stack in one C++ call
-    # CPU, bfloat16: also hold each dense linear weight in oneDNN's blocked layout, for matmuls of 2+
-    # rows (prefill, batched decode); costs a second copy of those weights.
+    # CPU, bfloat16: also hold each dense linear weight in oneDNN's blocked layout, for matmuls of 2-256
+    # rows (batched decode, verification); costs a second copy of those weights.
     prepack_weights: bool = True
     quantization: str | None = None  # None | "int8" (per channel) | "int4" (group-wise): weight-only
     quant_group_size: int = 128  # int4 group size (a smaller supported one where it does not divide a layer)

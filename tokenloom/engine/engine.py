@@ -27,7 +27,7 @@ from tokenloom.engine.sampler import Sampler
 from tokenloom.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenloom.engine.sequence import Sequence, SequenceStatus
 from tokenloom.errors import ConfigError, ContextTooLong, InvalidRequest
-from tokenloom.models.layers import prepack_available, prepack_linears, prepackable
+from tokenloom.models.layers import PACKED_MAX_ROWS, prepack_available, prepack_linears, prepackable
 from tokenloom.models.llama import LlamaForCausalLM
 from tokenloom.models.loader import LoadedModel, load_model
 from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -183,8 +183,8 @@ class LLMEngine:
                         "and batched decode run slower (--no-prepack-weights silences this)", loaded.name,
                         need / 2**30, free / 2**30)
             return
-        # oneDNN picks its blocking for a typical row count: a step's decode rows, at most its token budget.
-        nbytes = prepack_linears(loaded.model, min(self.config.max_num_seqs, self.config.max_num_batched_tokens))
+        # oneDNN picks its blocking for a typical row count: a step's decode rows, within what packed serves.
+        nbytes = prepack_linears(loaded.model, min(self.config.max_num_seqs, PACKED_MAX_ROWS))
         log.info("prepacked %s's dense linear weights for oneDNN: %.1f MB more", loaded.name, nbytes / 1e6)
 
     def _calibrate(self, model: LlamaForCausalLM) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -13,6 +13,11 @@ from tokenloom.models.config import RopeScaling
 
 
 SKINNY_MAX_ROWS = 8  # the C++ few-row matmul serves 1..8 rows (decode and speculative verification)
+# Prepacked weights serve 2..PACKED_MAX_ROWS rows (decode batches, verification); bigger prefill chunks
+# go to F.linear. SmolLM2's 30 layers of linears, bf16 with AMX, packed against F.linear (2026-12-03):
+# 18.2 / 26.7 ms at 64 rows, 24.5 / 32.6 at 128, 31.9 / 47.2 at 256, 51.3 / 52.2 at 384, 66.4 / 63.4 at
+# 512. Past ~300 rows F.linear's per-call reorder is amortized and oneDNN blocks K for the actual rows.
+PACKED_MAX_ROWS = 256
 
 
 def prepack_available() -> bool:
@@ -25,15 +30,17 @@ def prepack_available() -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear with two CPU fast paths for bfloat16, both exact stand-ins for F.linear (its reference):
+    """nn.Linear with two CPU fast paths for bfloat16 beside F.linear (their reference):
 
-    - `packed`: the weight reordered once, at load, into oneDNN's blocked layout (`prepack`). F.linear
-      hands oneDNN a plain weight that it reorders on every call; at 64 rows that reorder costs as much as
-      the AMX matmul itself. The packed matmul gives F.linear's values bit for bit (tests/test_prepack.py)
-      and serves every matmul of 2+ rows: prefill chunks, batched decode, speculative verification.
+    - `packed`: the weight reordered once, at load, into oneDNN's blocked layout (`prepack`), for 2 to
+      PACKED_MAX_ROWS rows: batched decode and speculative verification. F.linear hands oneDNN a plain
+      weight that it reorders on every call; at 64 rows that reorder costs about half as much as the
+      (AMX) matmul itself. On the machines measured the packed matmul gives F.linear's values bit for bit
+      at these row counts (oneDNN does not promise it; tests/test_prepack.py checks them to bf16 rounding).
     - `kernels.skinny_linear`: the C++ kernel that streams the weight once, for one row (single-stream
       decode) and, when there is no packed copy, for up to SKINNY_MAX_ROWS rows.
-    engine/fused_decode.py's C++ FusedLinear makes the same choice from the same tensors.
+    Prefill chunks of more rows go to F.linear. engine/fused_decode.py's C++ FusedLinear makes the same
+    choice from the same tensors.
     """
 
     kernels: ModuleType | None = None  # set only when the kernel has its AVX512-BF16 fast path
@@ -47,7 +54,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else 0
-        if self.packed is not None and rows >= 2 and x.dtype == torch.bfloat16:
+        if self.packed is not None and 2 <= rows <= PACKED_MAX_ROWS and x.dtype == torch.bfloat16:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         k = self.kernels
         if (k is not None and 0 < rows <= (1 if self.packed is not None else SKINNY_MAX_ROWS)

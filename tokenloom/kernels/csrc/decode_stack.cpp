@@ -58,8 +58,8 @@ struct FusedLinear {
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (bits != 16) return quant_linear(x, weight, *scales, mins, bits, bias);
-    // The choice Linear.forward makes: packed for 2+ rows; skinny for 1 (for up to 8 without packed).
-    if (packed.has_value() && x.size(0) >= 2) return packed_linear(x, *packed, bias);
+    // The choice Linear.forward makes: packed for 2..256 rows; skinny for 1 (for up to 8 without packed).
+    if (packed.has_value() && x.size(0) >= 2 && x.size(0) <= kPackedMaxRows) return packed_linear(x, *packed, bias);
     if (x.size(0) <= (packed.has_value() ? 1 : kSkinnyMaxRows)) return skinny_linear(x, weight, bias);
     return at::linear(x, weight, bias);  // oneDNN for many rows, as F.linear in Linear.forward
   }

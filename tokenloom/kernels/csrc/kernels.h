@@ -10,6 +10,9 @@
 // skinny_linear and quant_linear's few-row paths serve 1..kSkinnyMaxRows rows (models/layers.py
 // SKINNY_MAX_ROWS).
 constexpr int64_t kSkinnyMaxRows = 8;
+// A dense layer's prepacked (oneDNN-blocked) weight serves 2..kPackedMaxRows rows (models/layers.py
+// PACKED_MAX_ROWS).
+constexpr int64_t kPackedMaxRows = 256;
 
 // The few-row kernels are compiled once per row count: calls f.template operator()<R>() with R = rows,
 // for rows in 1..kSkinnyMaxRows (the caller checks the bound).
