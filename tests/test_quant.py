@@ -82,6 +82,23 @@ def test_int4_linear_matches_its_dequantized_reference(rows: int, shape: tuple[i
     _check(Int4Linear.from_linear(_linear(n, k, bias=(n % 2 == 1)), group), rows)
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4 g32", "int8 per 32"])
+def test_many_rows_expand_a_big_layer_in_pieces(kind: str) -> None:
+    """From 16 rows the kernel expands W to bf16 at most 16 MiB at a time for oneDNN: a 16,400 x 576 layer
+    (18.9 MB in bf16, like a big LM head) goes in two pieces, the second one partial, bias included."""
+    torch.manual_seed(4)
+    n, k = 16_400, 576
+    if kind == "int8 per 32":
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        d = (torch.rand(n, k // 32) * 0.01 + 1e-3).half()
+        lin = Int8Linear.from_codes(q, d, torch.randn(n).bfloat16())
+    else:
+        dense = _linear(n, k, bias=True)
+        lin = Int8Linear.from_linear(dense) if kind == "int8" else Int4Linear.from_linear(dense, 32)
+    _check(lin, 16)
+    _check(lin, 40)
+
+
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("k", [96, 576])
 def test_int8_per_32_block_scales(rows: int, k: int) -> None:

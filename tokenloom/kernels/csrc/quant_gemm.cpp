@@ -27,8 +27,8 @@
 //     with x exact in bf16:
 //     - M < kExpandMinRows: a tile of 32 output channels at a time, in a thread-local buffer, by a 4x4
 //       register-blocked vdpbf16ps kernel that reuses it for all M rows;
-//     - M >= kExpandMinRows: all of W at once, in a reused buffer, then one oneDNN matmul (at::linear:
-//       AMX where the CPU has it). The tile kernel reached ~140-160 GFLOP/s; SmolLM2's 30 layers as the
+//     - M >= kExpandMinRows: up to 16 MiB of W at once (all of a SmolLM2 layer), in a reused buffer,
+//       then one oneDNN matmul over all M rows (at::linear: AMX where the CPU has it). The tile kernel reached ~140-160 GFLOP/s; SmolLM2's 30 layers as the
 //       kept Q4_1 GGUF (int4 g32) took 97.7 -> 40.1 ms at 64 rows and 684.5 -> 101.3 ms at 512 rows
 //       (the dense bf16 model with prepacked weights: 18.8 and 69.5 ms), 33.0 -> 28.8 ms at 16 rows;
 //       expanding all 106M weights costs ~25 ms, so fewer rows stay on the tile kernel.
@@ -53,6 +53,7 @@ namespace {
 constexpr int64_t kTile = 32;  // output channels expanded per tile on the many-row path
 // From this many rows the many-row path expands all of W and hands it to oneDNN (see the header).
 constexpr int64_t kExpandMinRows = 16;
+constexpr int64_t kExpandBytes = int64_t{16} << 20;  // bf16 weight expanded per oneDNN call on that path
 constexpr int64_t kBlock = 16;  // int4 output channels per block
 constexpr int64_t kPrefetchSteps = 4;  // int8 prefetch distance, in steps of NR rows
 constexpr int64_t kPrefetchBytes = 8192;  // int4 prefetch distance (best of 2-16 KiB on SmolLM2's layers)
@@ -462,19 +463,54 @@ void tiled(const QWeight& w, int64_t M, const c10::BFloat16* xp, int64_t Kp, con
   });
 }
 
-// All of W expanded to bf16 (N, Kp) in a reused buffer, in parallel: int4 blocks in natural input order,
-// int8 rows in kernel order (per channel: the exact codes, their scales returned in `row_scale`).
+// Rows [n0, n0 + nc) of W expanded to bf16 (nc, Kp) at wd, in parallel (n0 and nc multiples of kBlock,
+// but for the end of W): int4 blocks in natural input order, int8 rows in kernel order (per channel:
+// the exact codes, their scales returned in row_scale[0, nc)).
 template <int BITS>
-void expand_all(const QWeight& w, int64_t Kp, c10::BFloat16* wd, float* row_scale) {
+void expand_rows(const QWeight& w, int64_t n0, int64_t nc, int64_t Kp, c10::BFloat16* wd, float* row_scale) {
   if constexpr (BITS == 4) {
-    at::parallel_for(0, (w.N + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) expand_block_int4(w, b * kBlock, Kp, wd + b * kBlock * Kp);
+    at::parallel_for(0, (nc + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) expand_block_int4(w, n0 + b * kBlock, Kp, wd + b * kBlock * Kp);
     });
   } else {
-    at::parallel_for(0, w.N, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) row_scale[n] = expand_row_int8(w, n, Kp, wd + n * Kp);
+    at::parallel_for(0, nc, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) row_scale[n] = expand_row_int8(w, n0 + n, Kp, wd + n * Kp);
     });
   }
+}
+
+// y = x @ dequant(W).T (+ bias) through oneDNN: W expanded kExpandBytes at a time into a reused buffer
+// (a whole layer of SmolLM2 in one piece; a 128k-token LM head of a 4096-wide model in 64 pieces),
+// each piece one at::linear over all M rows. xp (M, Kp) is x padded and ordered as the expanded rows.
+template <int BITS>
+at::Tensor expanded_linear(const QWeight& w, const at::Tensor& xt, int64_t Kp, const c10::optional<at::Tensor>& bias) {
+  const int64_t M = xt.size(0);
+  const int64_t chunk = std::max<int64_t>(kBlock, kExpandBytes / (Kp * 2) / kBlock * kBlock);
+  const int64_t nc_max = std::min(w.N, chunk);
+  thread_local std::vector<c10::BFloat16> wd_buf;
+  thread_local std::vector<float> rs_buf;
+  c10::BFloat16* wd = scratch(wd_buf, nc_max * Kp);
+  float* rs = scratch(rs_buf, nc_max);
+  const bool per_channel = BITS == 8 && w.G == 1;  // y = (x . q) d: the scale applies to the dot product
+  const auto bf16 = xt.options();
+  at::Tensor y = nc_max == w.N ? at::Tensor() : at::empty({M, w.N}, bf16);
+  for (int64_t n0 = 0; n0 < w.N; n0 += nc_max) {
+    const int64_t nc = std::min(nc_max, w.N - n0);
+    expand_rows<BITS>(w, n0, nc, Kp, wd, rs);
+    const at::Tensor wt = at::from_blob(wd, {nc, Kp}, bf16);
+    const c10::optional<at::Tensor> b = bias.has_value() ? c10::optional<at::Tensor>(bias->narrow(0, n0, nc)) : c10::nullopt;
+    at::Tensor part;
+    if (!per_channel) {
+      part = at::linear(xt, wt, b);
+    } else {
+      at::Tensor yf = at::linear(xt, wt).to(at::kFloat).mul_(at::from_blob(rs, {nc}, bf16.dtype(at::kFloat)));
+      if (b.has_value()) yf.add_(*b);
+      part = yf.to(at::kBFloat16);
+    }
+    if (nc == w.N) return part;
+    y.narrow(1, n0, nc).copy_(part);
+  }
+  return y;
 }
 
 // x (M, K) -> xp (M, Kp), zero-padded; in kernel order (int8: one two-source permute per 64-input
@@ -567,21 +603,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   if (M > kSkinnyMaxRows) {
     c10::BFloat16* xpp = scratch(xp_buf, M * Kp);
     pad_x(xd, M, K, Kp, /*permute=*/bits == 8, xpp);
-    if (M >= kExpandMinRows) {
-      // The whole weight expanded once per call, then one oneDNN matmul: AMX where the CPU has it.
-      thread_local std::vector<c10::BFloat16> wd_buf;
-      thread_local std::vector<float> rs_buf;
-      c10::BFloat16* wd = scratch(wd_buf, N * Kp);
-      float* rs = scratch(rs_buf, N);
-      if (bits == 4) expand_all<4>(w, Kp, wd, rs);
-      else expand_all<8>(w, Kp, wd, rs);
-      const auto bf16 = x.options();
-      const at::Tensor xt = at::from_blob(xpp, {M, Kp}, bf16), wt = at::from_blob(wd, {N, Kp}, bf16);
-      const bool per_channel = bits == 8 && G == 1;  // y = (x . q) d: the scale applies to the dot product
-      if (!per_channel) return at::linear(xt, wt, bias);
-      at::Tensor yf = at::linear(xt, wt).to(at::kFloat).mul_(at::from_blob(rs, {N}, x.options().dtype(at::kFloat)));
-      if (bias.has_value()) yf.add_(*bias);
-      return yf.to(at::kBFloat16);
+    if (M >= kExpandMinRows) {  // the weight expanded once per call, then oneDNN: AMX where the CPU has it
+      const at::Tensor xt = at::from_blob(xpp, {M, Kp}, x.options());
+      return bits == 4 ? expanded_linear<4>(w, xt, Kp, bias) : expanded_linear<8>(w, xt, Kp, bias);
     }
     if (bits == 4) tiled<4>(w, M, xpp, Kp, b, yp);
     else tiled<8>(w, M, xpp, Kp, b, yp);
