@@ -28,10 +28,11 @@
 //     - M < kExpandMinRows: a tile of 32 output channels at a time, in a thread-local buffer, by a 4x4
 //       register-blocked vdpbf16ps kernel that reuses it for all M rows;
 //     - M >= kExpandMinRows: up to 16 MiB of W at once (all of a SmolLM2 layer), in a reused buffer,
-//       then one oneDNN matmul over all M rows (at::linear: AMX where the CPU has it). The tile kernel reached ~140-160 GFLOP/s; SmolLM2's 30 layers as the
-//       kept Q4_1 GGUF (int4 g32) took 97.7 -> 40.1 ms at 64 rows and 684.5 -> 101.3 ms at 512 rows
-//       (the dense bf16 model with prepacked weights: 18.8 and 69.5 ms), 33.0 -> 28.8 ms at 16 rows;
-//       expanding all 106M weights costs ~25 ms, so fewer rows stay on the tile kernel.
+//       then one oneDNN matmul over all M rows (at::linear: AMX where the CPU has it). The tile kernel
+//       reached ~140-160 GFLOP/s: SmolLM2's 30 layers as the kept Q4_1 GGUF (int4 g32) took 97.7 ->
+//       40.1 ms at 64 rows and 684.5 -> 101.3 ms at 512 rows (the dense bf16 model with prepacked
+//       weights: 18.8 and 69.5 ms), 33.0 -> 28.8 ms at 16 rows; expanding all 106M weights costs
+//       ~25 ms, so fewer rows stay on the tile kernel.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -51,7 +52,7 @@
 namespace {
 
 constexpr int64_t kTile = 32;  // output channels expanded per tile on the many-row path
-// From this many rows the many-row path expands all of W and hands it to oneDNN (see the header).
+// From this many rows the many-row path expands W (kExpandBytes at a time) for oneDNN (see the header).
 constexpr int64_t kExpandMinRows = 16;
 constexpr int64_t kExpandBytes = int64_t{16} << 20;  // bf16 weight expanded per oneDNN call on that path
 constexpr int64_t kBlock = 16;  // int4 output channels per block
@@ -591,22 +592,24 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
     TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N && bias->is_contiguous(), "quant_linear: bias");
     b = bias->data_ptr<c10::BFloat16>();
   }
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
+  if (M == 0 || N == 0) return at::empty({M, N}, x.options());
 #ifdef TOKENLOOM_QGEMM
   const at::Tensor xc = x.contiguous();
   const c10::BFloat16* xd = xc.data_ptr<c10::BFloat16>();
   QWeight w{static_cast<const uint8_t*>(codes.data_ptr()), codes.size(1), scales.data_ptr<at::Half>(),
             bits == 4 ? mins->data_ptr<at::Half>() : nullptr, N, K, G, g};
-  auto* yp = y.data_ptr<c10::BFloat16>();
   thread_local std::vector<c10::BFloat16> xp_buf;
+  if (M >= kExpandMinRows) {  // the weight expanded once per call, then oneDNN: AMX where the CPU has it
+    c10::BFloat16* xpp = scratch(xp_buf, M * Kp);
+    pad_x(xd, M, K, Kp, /*permute=*/bits == 8, xpp);
+    const at::Tensor xt = at::from_blob(xpp, {M, Kp}, x.options());
+    return bits == 4 ? expanded_linear<4>(w, xt, Kp, bias) : expanded_linear<8>(w, xt, Kp, bias);
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  auto* yp = y.data_ptr<c10::BFloat16>();
   if (M > kSkinnyMaxRows) {
     c10::BFloat16* xpp = scratch(xp_buf, M * Kp);
     pad_x(xd, M, K, Kp, /*permute=*/bits == 8, xpp);
-    if (M >= kExpandMinRows) {  // the weight expanded once per call, then oneDNN: AMX where the CPU has it
-      const at::Tensor xt = at::from_blob(xpp, {M, Kp}, x.options());
-      return bits == 4 ? expanded_linear<4>(w, xt, Kp, bias) : expanded_linear<8>(w, xt, Kp, bias);
-    }
     if (bits == 4) tiled<4>(w, M, xpp, Kp, b, yp);
     else tiled<8>(w, M, xpp, Kp, b, yp);
     return y;
