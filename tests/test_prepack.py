@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from tokenloom import LLM, SamplingParams
 from tokenloom.cli import build_parser, engine_config
 from tokenloom.kernels import load_cpu_kernels
-from tokenloom.models.layers import PACKED_MAX_ROWS, Linear, prepack_available, prepack_linears
+from tokenloom.models.layers import PACKED_MAX_ROWS, Linear, prepack_available, prepackable
 
 pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN bfloat16 matmul here")
 
@@ -58,7 +58,7 @@ def test_packed_copy_serves_two_to_packed_max_rows() -> None:
     assert torch.equal(lin(x), F.linear(x, lin.weight))
 
 
-def test_prepack_linears_packs_every_dense_bf16_layer(tiny_llama: Path) -> None:
+def test_prepacking_packs_every_dense_bf16_layer(tiny_llama: Path) -> None:
     on = LLM(str(tiny_llama), dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256)
     layers = [m for m in on.engine.loaded.model.modules() if isinstance(m, Linear)]
     assert layers and all(m.packed is not None for m in layers)
@@ -66,7 +66,7 @@ def test_prepack_linears_packs_every_dense_bf16_layer(tiny_llama: Path) -> None:
     assert all(m.packed is None for m in off.engine.loaded.model.modules() if isinstance(m, Linear))
     f32 = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="8MiB", max_model_len=256)
     assert all(m.packed is None for m in f32.engine.loaded.model.modules() if isinstance(m, Linear))
-    assert prepack_linears(f32.engine.loaded.model, 16) == 0  # float32 layers are left alone
+    assert prepackable(f32.engine.loaded.model) == []  # float32 layers are left alone
 
 
 def test_prepacked_engine_gives_the_same_tokens(tiny_llama: Path) -> None:

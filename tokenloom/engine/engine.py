@@ -27,7 +27,7 @@ from tokenloom.engine.sampler import Sampler
 from tokenloom.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenloom.engine.sequence import Sequence, SequenceStatus
 from tokenloom.errors import ConfigError, ContextTooLong, InvalidRequest
-from tokenloom.models.layers import PACKED_MAX_ROWS, prepack_available, prepack_linears, prepackable
+from tokenloom.models.layers import PACKED_MAX_ROWS, prepack_available, prepackable
 from tokenloom.models.llama import LlamaForCausalLM
 from tokenloom.models.loader import LoadedModel, load_model
 from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -174,7 +174,8 @@ class LLMEngine:
         if not prepack_available():
             log.info("weight prepacking off: this torch build has no oneDNN bfloat16 matmul on this CPU")
             return
-        need = sum(m.weight.numel() * m.weight.element_size() for m in prepackable(loaded.model))
+        layers = prepackable(loaded.model)
+        need = sum(m.weight.numel() * m.weight.element_size() for m in layers)
         if need == 0:  # every linear is quantized
             return
         free = free_memory_bytes(self.device)
@@ -184,8 +185,9 @@ class LLMEngine:
                         need / 2**30, free / 2**30)
             return
         # oneDNN picks its blocking for a typical row count: a step's decode rows, within what packed serves.
-        nbytes = prepack_linears(loaded.model, min(self.config.max_num_seqs, PACKED_MAX_ROWS))
-        log.info("prepacked %s's dense linear weights for oneDNN: %.1f MB more", loaded.name, nbytes / 1e6)
+        for m in layers:
+            m.prepack(min(self.config.max_num_seqs, PACKED_MAX_ROWS))
+        log.info("prepacked %s's dense linear weights for oneDNN: %.1f MB more", loaded.name, need / 1e6)
 
     def _calibrate(self, model: LlamaForCausalLM) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-head INT8 KV scales of `model` (engine/kv_calibration.py): one prefill at start-up."""

@@ -65,16 +65,10 @@ class Linear(nn.Linear):
 
 
 def prepackable(model: nn.Module) -> list[Linear]:
-    """The layers `prepack_linears` packs: dense bfloat16 `Linear`s on CPU (quantized layers have their own
-    kernels) that have no packed copy yet."""
+    """The layers --prepack-weights packs (engine/engine.py, once the weights are final): dense bfloat16
+    `Linear`s on CPU (quantized layers have their own kernels) that have no packed copy yet."""
     return [m for m in model.modules()
             if type(m) is Linear and m.weight.dtype == torch.bfloat16 and m.weight.is_cpu and m.packed is None]
-
-
-def prepack_linears(model: nn.Module, rows_hint: int) -> int:
-    """`Linear.prepack` every prepackable layer of `model`; returns the bytes added. Call after the weights
-    are final (loaded, quantized)."""
-    return sum(m.prepack(rows_hint) for m in prepackable(model))
 
 
 class RMSNorm(nn.Module):

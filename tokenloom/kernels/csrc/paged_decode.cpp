@@ -146,13 +146,13 @@ static inline void context_slots(const int64_t* bt, int64_t max_blocks, int64_t 
   for (int64_t t = first; t < len; ++t) slots[t - first] = bt[b * max_blocks + t / block_size] * block_size + t % block_size;
 }
 
-// Rows are 2 * kD bytes scattered over blocks (and over heads within a token): the hardware prefetcher
-// does not follow them, so each row is requested kAhead tokens before it is used (16 measured best of 4,
-// 8, 16, 32).
+// A row of K or V (2 * kD bytes in bf16, kD as INT8 codes) sits apart from the next one, over blocks and
+// over heads within a token: the hardware prefetcher does not follow them, so each row's kBytes are
+// requested kAhead tokens before it is used (16 measured best of 4, 8, 16, 32).
 constexpr int64_t kAhead = 16;
-template <int64_t kD>
-static inline void prefetch_row(const c10::BFloat16* row) {
-  for (int64_t b = 0; b < kD * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+template <int64_t kBytes>
+static inline void prefetch_row(const void* row) {
+  for (int64_t b = 0; b < kBytes; b += 64) _mm_prefetch(static_cast<const char*>(row) + b, _MM_HINT_T0);
 }
 
 // kG query heads that share one KV head, over n context tokens whose K and V rows are bfloat16 at krow(i),
@@ -177,7 +177,7 @@ static inline void attend_heads_bf16(const c10::BFloat16* qg, KRow krow, VRow vr
     for (int64_t v = 0; v < V; ++v) qv[g][v] = (__m512bh)_mm512_loadu_si512(qg + g * kD + 32 * v);
   auto dots = [&](int64_t i, __m512* a) {  // a[g] = the kG partial dot products of token i
     const c10::BFloat16* k = krow(i);
-    if (i + kAhead < n) prefetch_row<kD>(krow(i + kAhead));
+    if (i + kAhead < n) prefetch_row<kD * 2>(krow(i + kAhead));
     for (int g = 0; g < kG; ++g) a[g] = _mm512_setzero_ps();
     for (int64_t v = 0; v < V; ++v) {
       const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + 32 * v);
@@ -203,7 +203,7 @@ static inline void attend_heads_bf16(const c10::BFloat16* qg, KRow krow, VRow vr
     dots(i, a);
     for (int g = 0; g < kG; ++g) sc[g * n + i] = _mm512_reduce_add_ps(a[g]) * fscale * (kScaled ? ks[i] : 1.f);
   }
-  for (int64_t j = 0; j < std::min(n, kAhead); ++j) prefetch_row<kD>(vrow(j));  // V's first rows, under the softmax
+  for (int64_t j = 0; j < std::min(n, kAhead); ++j) prefetch_row<kD * 2>(vrow(j));  // V's first rows, under the softmax
   float sum[kG];
   for (int g = 0; g < kG; ++g) sum[g] = exp_minus_max(sc + g * n, n);
   __m512 even[kG][V], odd[kG][V];
@@ -211,7 +211,7 @@ static inline void attend_heads_bf16(const c10::BFloat16* qg, KRow krow, VRow vr
     for (int64_t v = 0; v < V; ++v) even[g][v] = odd[g][v] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const c10::BFloat16* row = vrow(j);
-    if (j + kAhead < n) prefetch_row<kD>(vrow(j + kAhead));
+    if (j + kAhead < n) prefetch_row<kD * 2>(vrow(j + kAhead));
     __m512 p[kG];
     for (int g = 0; g < kG; ++g) p[g] = _mm512_set1_ps(kScaled ? sc[g * n + j] * vs[j] : sc[g * n + j]);
     for (int64_t v = 0; v < V; ++v) {
@@ -325,9 +325,7 @@ static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, co
   auto widen_rows = [&](const int8_t* base, const std::vector<int64_t>& slots, int64_t n, row_t* dst) {
     for (int64_t i = 0; i < n; ++i) {
       const int8_t* row = base + slots[i] * token_stride;
-      if (i + kAhead < n)  // scattered rows, as in the bfloat16 kernel
-        for (int64_t b = 0; b < kD; b += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(base + slots[i + kAhead] * token_stride) + b, _MM_HINT_T0);
+      if (i + kAhead < n) prefetch_row<kD>(base + slots[i + kAhead] * token_stride);  // scattered, as bf16 rows
       for (int64_t v = 0; v < V; v += 2) {
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v))));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v + 16))));

@@ -422,6 +422,19 @@ inline void micro(const c10::BFloat16* x, const c10::BFloat16* wt, int64_t Kp, f
   for (int r = 0; r < RB; ++r) _mm_storeu_ps(out[r], hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
 
+// Rows [n0, n0 + nc) of W expanded to bf16 (nc, Kp) at wd (n0 a multiple of kBlock): int4 blocks in
+// natural input order, int8 rows in kernel order; row_scale[0, nc) gets the scale still to apply to each
+// row's dot products (int8 per channel: d, its codes exact; otherwise 1).
+template <int BITS>
+void expand_span(const QWeight& w, int64_t n0, int64_t nc, int64_t Kp, c10::BFloat16* wd, float* row_scale) {
+  if constexpr (BITS == 4) {
+    for (int64_t j = 0; j < nc; j += kBlock) expand_block_int4(w, n0 + j, Kp, wd + j * Kp);
+    std::fill(row_scale, row_scale + nc, 1.f);
+  } else {
+    for (int64_t j = 0; j < nc; ++j) row_scale[j] = expand_row_int8(w, n0 + j, Kp, wd + j * Kp);
+  }
+}
+
 // xp (M, Kp): x in the order the expanded tile has (int8: kernel order; int4: natural), zero-padded.
 template <int BITS>
 void tiled(const QWeight& w, int64_t M, const c10::BFloat16* xp, int64_t Kp, const c10::BFloat16* bias,
@@ -432,12 +445,7 @@ void tiled(const QWeight& w, int64_t M, const c10::BFloat16* xp, int64_t Kp, con
     float scale[kTile];
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t n0 = tile * kTile, nt = std::min(kTile, w.N - n0);
-      if constexpr (BITS == 4) {
-        for (int64_t j = 0; j < nt; j += kBlock) expand_block_int4(w, n0 + j, Kp, wt.data() + j * Kp);
-        std::fill(scale, scale + kTile, 1.f);
-      } else {
-        for (int64_t j = 0; j < nt; ++j) scale[j] = expand_row_int8(w, n0 + j, Kp, wt.data() + j * Kp);
-      }
+      expand_span<BITS>(w, n0, nt, Kp, wt.data(), scale);
       const int64_t ntp = (nt + 3) / 4 * 4;  // pad to whole 4-column blocks with zero rows
       std::memset(static_cast<void*>(wt.data() + nt * Kp), 0, (ntp - nt) * Kp * sizeof(c10::BFloat16));
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
@@ -464,22 +472,6 @@ void tiled(const QWeight& w, int64_t M, const c10::BFloat16* xp, int64_t Kp, con
   });
 }
 
-// Rows [n0, n0 + nc) of W expanded to bf16 (nc, Kp) at wd, in parallel (n0 and nc multiples of kBlock,
-// but for the end of W): int4 blocks in natural input order, int8 rows in kernel order (per channel:
-// the exact codes, their scales returned in row_scale[0, nc)).
-template <int BITS>
-void expand_rows(const QWeight& w, int64_t n0, int64_t nc, int64_t Kp, c10::BFloat16* wd, float* row_scale) {
-  if constexpr (BITS == 4) {
-    at::parallel_for(0, (nc + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) expand_block_int4(w, n0 + b * kBlock, Kp, wd + b * kBlock * Kp);
-    });
-  } else {
-    at::parallel_for(0, nc, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) row_scale[n] = expand_row_int8(w, n0 + n, Kp, wd + n * Kp);
-    });
-  }
-}
-
 // y = x @ dequant(W).T (+ bias) through oneDNN: W expanded kExpandBytes at a time into a reused buffer
 // (a whole layer of SmolLM2 in one piece; a 128k-token LM head of a 4096-wide model in 64 pieces),
 // each piece one at::linear over all M rows. xp (M, Kp) is x padded and ordered as the expanded rows.
@@ -497,7 +489,10 @@ at::Tensor expanded_linear(const QWeight& w, const at::Tensor& xt, int64_t Kp, c
   at::Tensor y = nc_max == w.N ? at::Tensor() : at::empty({M, w.N}, bf16);
   for (int64_t n0 = 0; n0 < w.N; n0 += nc_max) {
     const int64_t nc = std::min(nc_max, w.N - n0);
-    expand_rows<BITS>(w, n0, nc, Kp, wd, rs);
+    at::parallel_for(0, (nc + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
+      const int64_t j = begin * kBlock;
+      expand_span<BITS>(w, n0 + j, std::min(end * kBlock, nc) - j, Kp, wd + j * Kp, rs + j);
+    });
     const at::Tensor wt = at::from_blob(wd, {nc, Kp}, bf16);
     const c10::optional<at::Tensor> b = bias.has_value() ? c10::optional<at::Tensor>(bias->narrow(0, n0, nc)) : c10::nullopt;
     at::Tensor part;
