@@ -14,27 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenloom.attention.base import get_backend
-from tokenloom.attention.cpu import CPUBackend
 from tokenloom.config import EngineConfig
-from tokenloom.engine.fused_decode import build_fused_decoder
-from tokenloom.engine.kv_cache import KVCacheSpec, allocate_kv_cache, free_memory_bytes, plan_capacity
-from tokenloom.engine.kv_calibration import calibrate_kv_scales, calibration_prompts
-from tokenloom.engine.kv_cache_manager import KVCacheManager
+from tokenloom.engine.builder import build_engine_parts
 from tokenloom.engine.output_processor import append_tokens, take_delta
-from tokenloom.engine.runner import ModelRunner
-from tokenloom.engine.sampler import Sampler
 from tokenloom.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenloom.engine.sequence import Sequence, SequenceStatus
-from tokenloom.errors import ConfigError, ContextTooLong, InvalidRequest
-from tokenloom.models.layers import PACKED_MAX_ROWS, prepack_available, prepackable
-from tokenloom.models.llama import LlamaForCausalLM
-from tokenloom.models.loader import LoadedModel, load_model
+from tokenloom.errors import ContextTooLong, InvalidRequest
 from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tokenloom.quant.weight_only import quantize_model
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.spec.draft import DraftModelProposer
-from tokenloom.spec.ngram import NgramProposer
 from tokenloom.spec.verify import Verified, can_speculate, verify
 
 log = logging.getLogger("tokenloom.engine")
@@ -89,134 +76,29 @@ def freeze_gc() -> None:
     gc.freeze()
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {name}: torch sees no CUDA device")
-    return dev
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
-        self.backend = get_backend(config.attention_backend, self.device)
-        self.loaded: LoadedModel = load_model(config.model, config.dtype, self.device, self.backend, config.max_model_len,
-                                              config.gguf_weights)
-        if config.quantization is not None:
-            n = quantize_model(self.loaded.model, config.quantization, config.quant_group_size)
-            log.info("quantized %d linear layers to %s", n, config.quantization)
-        if isinstance(self.backend, CPUBackend):
-            self.loaded.model.set_kernels(self.backend.kernels)
-            self._prepack(self.loaded)
-        mcfg = self.loaded.config
-        self.model_config = mcfg
-        self.tokenizer = self.loaded.tokenizer
-        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
-        if self.max_model_len > mcfg.max_position_embeddings and mcfg.rope_scaling.kind in ("default", "dynamic"):
-            raise ConfigError(
-                f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings "
-                f"{mcfg.max_position_embeddings}"
-            )
-        self.draft = self._load_draft()
-        int8_kv = config.kv_cache_dtype == "int8"
-        per_head = config.kv_cache_scales == "head"
-        spec = KVCacheSpec.for_model(mcfg, config.block_size, self.loaded.dtype, int8_kv, per_head)
-        draft_spec = (KVCacheSpec.for_model(self.draft.config, config.block_size, self.draft.dtype, int8_kv, per_head)
-                      if self.draft is not None else None)
-        self.capacity = plan_capacity(spec, config.kv_cache_memory, self.device, self.max_model_len,
-                                      draft_spec.bytes_per_block if draft_spec else 0)
-        self.kv = KVCacheManager(self.capacity.num_blocks, config.block_size, config.enable_prefix_caching)
-        kv_tensors = allocate_kv_cache(spec, self.capacity.num_blocks, self.device,
-                                       self._calibrate(self.loaded.model) if int8_kv and per_head else None)
-        fused = (build_fused_decoder(self.backend.kernels, self.loaded.model, kv_tensors, self.device)
-                 if config.fused_decode and isinstance(self.backend, CPUBackend) else None)
-        self.runner = ModelRunner(self.loaded.model, kv_tensors, config.block_size, self.backend, self.device, fused)
+        parts = build_engine_parts(config)
+        self.device, self.backend, self.loaded = parts.device, parts.backend, parts.loaded
+        self.model_config = parts.loaded.config
+        self.tokenizer = parts.loaded.tokenizer
+        self.max_model_len = parts.max_model_len
+        self.capacity, self.kv, self.runner = parts.capacity, parts.kv, parts.runner
+        self.sampler, self.proposer = parts.sampler, parts.proposer
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
         )
-        self.sampler = Sampler(config.seed, self.device)
         self.spec_stats = SpecDecodeStats()
-        self.proposer: NgramProposer | DraftModelProposer | None = None
-        if config.speculative == "ngram":
-            self.proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
-        elif config.speculative == "self":
-            self.proposer = DraftModelProposer(self.runner, self.loaded.model, kv_tensors[: config.draft_layers],
-                                               self.sampler, shares_target_cache=True)
-        elif self.draft is not None and draft_spec is not None:
-            draft_kv = allocate_kv_cache(draft_spec, self.capacity.num_blocks, self.device,
-                                         self._calibrate(self.draft.model) if int8_kv and per_head else None)
-            self.proposer = DraftModelProposer(self.runner, self.draft.model, draft_kv, self.sampler,
-                                               shares_target_cache=False)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self._stop_ids = frozenset(self.tokenizer.stop_token_ids)
-        log.info(
-            "loaded %s (%s, %s) in %.2fs on %s; %s",
-            self.loaded.name, mcfg.architecture, str(self.loaded.dtype).removeprefix("torch."),
-            self.loaded.load_seconds, self.device, self.capacity.describe(),
-        )
 
     @property
     def model_name(self) -> str:
         return self.loaded.name
-
-    def _prepack(self, loaded: LoadedModel) -> None:
-        """--prepack-weights: oneDNN-blocked copies of the dense bfloat16 linears (models/layers.py Linear)."""
-        if not self.config.prepack_weights or loaded.dtype != torch.bfloat16:
-            return
-        if not prepack_available():
-            log.info("weight prepacking off: this torch build has no oneDNN bfloat16 matmul on this CPU")
-            return
-        layers = prepackable(loaded.model)
-        need = sum(m.weight.numel() * m.weight.element_size() for m in layers)
-        if need == 0:  # every linear is quantized
-            return
-        free = free_memory_bytes(self.device)
-        if need > free // 2:  # a second copy must not crowd out the KV cache (or the machine)
-            log.warning("not prepacking %s's linear weights: the copy needs %.2f GiB of %.2f GiB free; prefill "
-                        "and batched decode run slower (--no-prepack-weights silences this)", loaded.name,
-                        need / 2**30, free / 2**30)
-            return
-        # oneDNN picks its blocking for a typical row count: a step's decode rows, within what packed serves.
-        for m in layers:
-            m.prepack(min(self.config.max_num_seqs, PACKED_MAX_ROWS))
-        log.info("prepacked %s's dense linear weights for oneDNN: %.1f MB more", loaded.name, need / 1e6)
-
-    def _calibrate(self, model: LlamaForCausalLM) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-head INT8 KV scales of `model` (engine/kv_calibration.py): one prefill at start-up."""
-        t = time.monotonic()
-        prompts = calibration_prompts(self.tokenizer, model.rotary.max_position)
-        scales = calibrate_kv_scales(model, self.backend, self.device, prompts, self.config.block_size)
-        log.info("calibrated per-head INT8 KV scales on %d tokens in %.2fs", sum(map(len, prompts)),
-                 time.monotonic() - t)
-        return scales
-
-    def _load_draft(self) -> LoadedModel | None:
-        """The --draft-model (it must share the target's vocabulary); checks --draft-layers for self."""
-        cfg, mcfg = self.config, self.model_config
-        if cfg.speculative == "self" and cfg.draft_layers is not None and cfg.draft_layers >= mcfg.num_hidden_layers:
-            raise ConfigError(f"--draft-layers {cfg.draft_layers} must be fewer than the model's "
-                              f"{mcfg.num_hidden_layers} layers")
-        if cfg.speculative != "draft" or cfg.draft_model is None:
-            return None
-        draft = load_model(cfg.draft_model, cfg.dtype, self.device, self.backend, self.max_model_len, cfg.gguf_weights)
-        if isinstance(self.backend, CPUBackend):
-            draft.model.set_kernels(self.backend.kernels)
-            self._prepack(draft)
-        if draft.config.vocab_size != mcfg.vocab_size:
-            raise ConfigError(f"--draft-model vocabulary ({draft.config.vocab_size}) differs from the target's "
-                              f"({mcfg.vocab_size}); a draft must share the target's tokenizer")
-        if draft.config.max_position_embeddings < self.max_model_len and draft.config.rope_scaling.kind == "default":
-            raise ConfigError(f"--draft-model max_position_embeddings {draft.config.max_position_embeddings} is "
-                              f"below max_model_len {self.max_model_len}")
-        return draft
 
     # -- requests ---------------------------------------------------------------------------
 

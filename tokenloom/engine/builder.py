@@ -1,0 +1,175 @@
+"""Engine construction: everything `LLMEngine` needs before its first step, built once from an EngineConfig.
+
+Load the model (and a draft model), quantize, prepack weights for oneDNN, calibrate INT8 KV scales, size
+the KV cache against its memory budget, allocate it, and wire the runner, sampler and speculative
+proposer. The engine itself only steps; this module is the one place that knows how the parts are made.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenloom.attention.base import AttentionBackend, get_backend
+from tokenloom.attention.cpu import CPUBackend
+from tokenloom.config import EngineConfig
+from tokenloom.engine.fused_decode import build_fused_decoder
+from tokenloom.engine.kv_cache import KVCacheSpec, KVCapacity, allocate_kv_cache, free_memory_bytes, plan_capacity
+from tokenloom.engine.kv_cache_manager import KVCacheManager
+from tokenloom.engine.kv_calibration import calibrate_kv_scales, calibration_prompts
+from tokenloom.engine.runner import ModelRunner
+from tokenloom.engine.sampler import Sampler
+from tokenloom.errors import ConfigError
+from tokenloom.models.layers import PACKED_MAX_ROWS, prepack_available, prepackable
+from tokenloom.models.llama import LlamaForCausalLM
+from tokenloom.models.loader import LoadedModel, load_model
+from tokenloom.quant.weight_only import quantize_model
+from tokenloom.spec.draft import DraftModelProposer
+from tokenloom.spec.ngram import NgramProposer
+
+log = logging.getLogger("tokenloom.engine")
+
+Proposer = NgramProposer | DraftModelProposer
+
+
+@dataclass
+class EngineParts:
+    """What a built engine is made of (mutable objects: the cache manager and runner change every step)."""
+
+    device: torch.device
+    backend: AttentionBackend
+    loaded: LoadedModel
+    max_model_len: int
+    capacity: KVCapacity
+    kv: KVCacheManager
+    runner: ModelRunner
+    sampler: Sampler
+    proposer: Proposer | None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: torch sees no CUDA device")
+    return dev
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    device = resolve_device(config.device)
+    backend = get_backend(config.attention_backend, device)
+    loaded = load_model(config.model, config.dtype, device, backend, config.max_model_len, config.gguf_weights)
+    if config.quantization is not None:
+        n = quantize_model(loaded.model, config.quantization, config.quant_group_size)
+        log.info("quantized %d linear layers to %s", n, config.quantization)
+    _attach_cpu_kernels(config, loaded, backend, device)  # after quantizing: the quantized layers get them too
+    mcfg = loaded.config
+    max_model_len = config.max_model_len or mcfg.max_position_embeddings
+    if max_model_len > mcfg.max_position_embeddings and mcfg.rope_scaling.kind in ("default", "dynamic"):
+        raise ConfigError(
+            f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+            f"{mcfg.max_position_embeddings}"
+        )
+    draft = _load_draft(config, loaded, device, backend, max_model_len)
+    int8_kv = config.kv_cache_dtype == "int8"
+    per_head = config.kv_cache_scales == "head"
+    spec = KVCacheSpec.for_model(mcfg, config.block_size, loaded.dtype, int8_kv, per_head)
+    draft_spec = (KVCacheSpec.for_model(draft.config, config.block_size, draft.dtype, int8_kv, per_head)
+                  if draft is not None else None)
+    capacity = plan_capacity(spec, config.kv_cache_memory, device, max_model_len,
+                             draft_spec.bytes_per_block if draft_spec else 0)
+    kv = KVCacheManager(capacity.num_blocks, config.block_size, config.enable_prefix_caching)
+
+    def scales(model: LlamaForCausalLM) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        return _calibrate(config, loaded, model, backend, device) if int8_kv and per_head else None
+
+    kv_tensors = allocate_kv_cache(spec, capacity.num_blocks, device, scales(loaded.model))
+    fused = (build_fused_decoder(backend.kernels, loaded.model, kv_tensors, device)
+             if config.fused_decode and isinstance(backend, CPUBackend) else None)
+    runner = ModelRunner(loaded.model, kv_tensors, config.block_size, backend, device, fused)
+    sampler = Sampler(config.seed, device)
+    proposer: Proposer | None = None
+    if config.speculative == "ngram":
+        proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+    elif config.speculative == "self":
+        proposer = DraftModelProposer(runner, loaded.model, kv_tensors[: config.draft_layers], sampler,
+                                      shares_target_cache=True)
+    elif draft is not None and draft_spec is not None:
+        draft_kv = allocate_kv_cache(draft_spec, capacity.num_blocks, device, scales(draft.model))
+        proposer = DraftModelProposer(runner, draft.model, draft_kv, sampler, shares_target_cache=False)
+    log.info(
+        "loaded %s (%s, %s) in %.2fs on %s; %s",
+        loaded.name, mcfg.architecture, str(loaded.dtype).removeprefix("torch."),
+        loaded.load_seconds, device, capacity.describe(),
+    )
+    return EngineParts(device, backend, loaded, max_model_len, capacity, kv, runner, sampler, proposer)
+
+
+def _attach_cpu_kernels(config: EngineConfig, loaded: LoadedModel, backend: AttentionBackend,
+                        device: torch.device) -> None:
+    """On the CPU backend: the C++ kernels into every layer, then the prepacked weights."""
+    if isinstance(backend, CPUBackend):
+        loaded.model.set_kernels(backend.kernels)
+        _prepack(config, loaded, device)
+
+
+def _prepack(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
+    """--prepack-weights: oneDNN-blocked copies of the dense bfloat16 linears (models/layers.py Linear)."""
+    if not config.prepack_weights or loaded.dtype != torch.bfloat16:
+        return
+    if not prepack_available():
+        log.info("weight prepacking off: this torch build has no oneDNN bfloat16 matmul on this CPU")
+        return
+    layers = prepackable(loaded.model)
+    need = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+    if need == 0:  # every linear is quantized
+        return
+    free = free_memory_bytes(device)
+    if need > free // 2:  # a second copy must not crowd out the KV cache (or the machine)
+        log.warning("not prepacking %s's linear weights: the copy needs %.2f GiB of %.2f GiB free; prefill "
+                    "and batched decode run slower (--no-prepack-weights silences this)", loaded.name,
+                    need / 2**30, free / 2**30)
+        return
+    # oneDNN picks its blocking for a typical row count: a step's decode rows, within what packed serves.
+    for m in layers:
+        m.prepack(min(config.max_num_seqs, PACKED_MAX_ROWS))
+    log.info("prepacked %s's dense linear weights for oneDNN: %.1f MB more", loaded.name, need / 1e6)
+
+
+def _calibrate(config: EngineConfig, target: LoadedModel, model: LlamaForCausalLM, backend: AttentionBackend,
+               device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-head INT8 KV scales of `model` (engine/kv_calibration.py): one prefill at start-up, on prompts
+    made with the target's tokenizer (a draft shares it)."""
+    t = time.monotonic()
+    prompts = calibration_prompts(target.tokenizer, model.rotary.max_position)
+    scales = calibrate_kv_scales(model, backend, device, prompts, config.block_size)
+    log.info("calibrated per-head INT8 KV scales on %d tokens in %.2fs", sum(map(len, prompts)),
+             time.monotonic() - t)
+    return scales
+
+
+def _load_draft(config: EngineConfig, target: LoadedModel, device: torch.device, backend: AttentionBackend,
+                max_model_len: int) -> LoadedModel | None:
+    """The --draft-model (it must share the target's vocabulary); checks --draft-layers for self."""
+    mcfg = target.config
+    if (config.speculative == "self" and config.draft_layers is not None
+            and config.draft_layers >= mcfg.num_hidden_layers):
+        raise ConfigError(f"--draft-layers {config.draft_layers} must be fewer than the model's "
+                          f"{mcfg.num_hidden_layers} layers")
+    if config.speculative != "draft" or config.draft_model is None:
+        return None
+    draft = load_model(config.draft_model, config.dtype, device, backend, max_model_len, config.gguf_weights)
+    _attach_cpu_kernels(config, draft, backend, device)
+    if draft.config.vocab_size != mcfg.vocab_size:
+        raise ConfigError(f"--draft-model vocabulary ({draft.config.vocab_size}) differs from the target's "
+                          f"({mcfg.vocab_size}); a draft must share the target's tokenizer")
+    if draft.config.max_position_embeddings < max_model_len and draft.config.rope_scaling.kind == "default":
+        raise ConfigError(f"--draft-model max_position_embeddings {draft.config.max_position_embeddings} is "
+                          f"below max_model_len {max_model_len}")
+    return draft
