@@ -15,7 +15,7 @@ from tokenloom.engine.sampler import Sampler
 from tokenloom.engine.sequence import Sequence
 from tokenloom.errors import ConfigError
 from tokenloom.spec.ngram import lookup
-from tokenloom.spec.verify import verify
+from tokenloom.spec.verify import verify, verify_batch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 KW = dict(dtype="float32", kv_cache_memory="8MiB", max_model_len=256)
@@ -119,7 +119,7 @@ def _fake_seq(params: SamplingParams, drafts: list[int], q: torch.Tensor | None,
     g = torch.Generator()
     g.manual_seed(seed)
     seq = Sequence("s", "s", 0, [0], params, 100, frozenset(), 0, generator=g)
-    seq.spec_token_ids, seq.spec_draft_probs = drafts, q
+    seq.spec.token_ids, seq.spec.draft_probs = drafts, q
     return seq
 
 
@@ -178,6 +178,29 @@ def test_greedy_verification_accepts_the_matching_prefix() -> None:
     assert verify(seq, logits, Sampler()).token_ids == [3, 1, 4, 2]
 
 
+def test_one_sampling_batch_serves_plain_and_verifying_rows() -> None:
+    """prepare() maps each logits row to its sequence once: plain rows sample one token, a sequence with
+    k drafts owns k + 1 rows and verifies; both read the same SamplingBatch."""
+    vocab = 6
+    want = [4, 3, 1, 5, 2]  # each logits row's argmax
+    logits = torch.full((len(want), vocab), -5.0)
+    for r, t in enumerate(want):
+        logits[r, t] = 5.0
+    plain = _fake_seq(SamplingParams(temperature=0.0), [], None, 0)
+    spec = _fake_seq(SamplingParams(temperature=0.0, logprobs=0), [3, 0], None, 0)  # d_1 = 3 matches, d_2 = 0 not
+    last = _fake_seq(SamplingParams(temperature=0.0, logprobs=1), [], None, 0)
+    sampler = Sampler()
+    batch = sampler.prepare([plain, spec, last], [0, 1, 1, 1, 2])
+    assert (batch.batch_rows, batch.logit_rows) == ([0, 2], [0, 4])
+    assert [(v.batch_row, v.start, v.end) for v in batch.verify] == [(1, 1, 4)]
+    out = sampler.sample(batch, logits)
+    assert out.token_ids == [4, None, 2]
+    assert out.logprobs[0] is None and out.logprobs[2] is not None and list(out.logprobs[2].top) == [2]
+    runs = verify_batch(batch, logits, sampler)
+    assert list(runs) == [1] and (runs[1].token_ids, runs[1].num_accepted) == ([3, 1], 1)
+    assert [lp.token_id for lp in runs[1].logprobs] == [3, 1]
+
+
 @pytest.mark.parametrize("method", ["draft", "self"])
 def test_tight_token_budget_cuts_drafts_without_harm(tiny_llama: Path, baseline: list[list[int]], method: str) -> None:
     """With a budget of 8 tokens for 4 sequences, drafts get cut short or dropped and sequences sit out
@@ -194,8 +217,8 @@ def test_tight_token_budget_cuts_drafts_without_harm(tiny_llama: Path, baseline:
             got.setdefault(out.request_id, []).extend(t for c in out.outputs for t in c.token_ids)
         eng.kv.pool.check_invariants()
         for seq in eng.scheduler.running:  # a running sequence holds blocks for its tokens + its drafts
-            need = -(-(seq.num_tokens + len(seq.spec_token_ids)) // eng.kv.block_size)
+            need = -(-(seq.num_tokens + len(seq.spec.token_ids)) // eng.kv.block_size)
             assert len(seq.block_ids) <= need
-            assert seq.draft_num_computed <= seq.num_tokens - 1 + len(seq.spec_token_ids)
+            assert seq.spec.draft_num_computed <= seq.num_tokens - 1 + len(seq.spec.token_ids)
     assert [got[str(i)] for i in range(len(PROMPTS))] == baseline
     assert eng.kv.pool.num_used == 0

@@ -55,13 +55,10 @@ class LLM:
         prios = list(priority) if priority is not None else [0] * len(batch)
         if len(prios) != len(batch):
             raise InvalidRequest(f"priority has {len(prios)} entries for {len(batch)} prompts", "priority")
-        encoded = [self._encode(p) for p in batch]
-        for ids, sp in zip(encoded, params):  # validate all before queueing any
-            self.engine.validate_prompt(ids, sp)
-        ids_order = [
-            self.engine.add_request(ids, sp, prompt=p if isinstance(p, str) else None, priority=pr)
-            for p, ids, sp, pr in zip(batch, encoded, params, prios)
-        ]
+        # Validate all before queueing any.
+        reqs = [self.engine.process_request(self._encode(p), sp, prompt=p if isinstance(p, str) else None, priority=pr)
+                for p, sp, pr in zip(batch, params, prios)]
+        ids_order = [self.engine.add(r) for r in reqs]
         done: dict[str, RequestOutput] = {}
         acc: dict[str, RequestOutput] = {}
         try:

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenloom.engine.sequence import TokenLogprob
+
+@dataclass
+class TokenLogprob:
+    """A sampled token's log-probability under the model's raw distribution, with its rank and the top-N."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+    top: dict[int, float]  # top-N token id -> logprob
 
 
 @dataclass

@@ -6,45 +6,48 @@ stop string (text cut before it; the string is not emitted unless include_stop_s
 max_tokens. None applies before min_tokens tokens have been produced.
 While a sequence runs, the last `stop_buffer_chars` characters are held back from the stream since
 they may turn out to be the start of a stop string.
+This module alone writes a sequence's `output` state (engine/sequence.py OutputState).
 """
 
 from __future__ import annotations
 
-from tokenloom.engine.sequence import Sequence, SequenceStatus, TokenLogprob
-from tokenloom.outputs import CompletionOutput
+from tokenloom.engine.sequence import Sequence, SequenceStatus
+from tokenloom.outputs import CompletionOutput, TokenLogprob
 from tokenloom.tokenizer import Tokenizer
 
 
-def append_tokens(
-    seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob | None], tokenizer: Tokenizer
-) -> SequenceStatus | None:
-    """Append sampled tokens to `seq`; returns the finishing status if one of them ends it."""
-    p = seq.params
-    for token, lp in zip(tokens, logprobs):
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> SequenceStatus | None:
+        """Append one sampled token to `seq`; returns the finishing status if it ends the sequence."""
+        p, out = seq.params, seq.output
         seq.token_ids.append(token)
-        if lp is not None:
-            seq.logprobs.append(lp)
-            seq.cumulative_logprob += lp.logprob
+        if logprob is not None:
+            out.logprobs.append(logprob)
+            out.cumulative_logprob += logprob.logprob
         n_out = seq.num_output_tokens
         may_stop = n_out >= p.min_tokens
         if may_stop and token in seq.stop_token_ids:
-            seq.finish_reason = "stop"
-            seq.stop_reason = None if token not in p.stop_token_ids else token
+            out.finish_reason = "stop"
+            out.stop_reason = None if token not in p.stop_token_ids else token
             return SequenceStatus.FINISHED_STOPPED
-        if seq.decoder is None:
-            seq.decoder = tokenizer.decode_stream(p.skip_special_tokens)
-        new_text = seq.decoder.step(tokenizer.backend, token) or ""
-        seq.output_text += new_text
+        if out.decoder is None:
+            out.decoder = self.tokenizer.decode_stream(p.skip_special_tokens)
+        new_text = out.decoder.step(self.tokenizer.backend, token) or ""
+        out.text += new_text
         if may_stop and p.stop and new_text and _check_stop_strings(seq, len(new_text)):
             return SequenceStatus.FINISHED_STOPPED
         if n_out >= seq.max_tokens:
-            seq.finish_reason = "length"
+            out.finish_reason = "length"
             return SequenceStatus.FINISHED_LENGTH
-    return None
+        return None
 
 
 def _check_stop_strings(seq: Sequence, new_chars: int) -> bool:
-    text = seq.output_text
+    out = seq.output
+    text = out.text
     longest = max(len(s) for s in seq.params.stop)
     # Only a window that overlaps the new characters can hold a new match.
     window_start = max(0, len(text) - new_chars - longest + 1)
@@ -56,33 +59,34 @@ def _check_stop_strings(seq: Sequence, new_chars: int) -> bool:
     if best is None:
         return False
     at, s = best
-    seq.output_text = text[: at + len(s)] if seq.params.include_stop_str_in_output else text[:at]
-    seq.finish_reason = "stop"
-    seq.stop_reason = s
+    out.text = text[: at + len(s)] if seq.params.include_stop_str_in_output else text[:at]
+    out.finish_reason = "stop"
+    out.stop_reason = s
     return True
 
 
 def take_delta(seq: Sequence, finished: bool) -> CompletionOutput | None:
     """The text, tokens and logprobs produced since the last call; None when there is nothing new."""
-    if seq.final_emitted:
+    out = seq.output
+    if out.final_emitted:
         return None
     hold = 0 if finished else seq.params.stop_buffer_chars
-    text_end = max(seq.num_emitted_chars, len(seq.output_text) - hold)
-    out_ids = seq.output_token_ids
-    if text_end == seq.num_emitted_chars and len(out_ids) == seq.num_emitted_tokens and not finished:
+    text_end = max(out.num_emitted_chars, len(out.text) - hold)
+    num_out = seq.num_output_tokens
+    if text_end == out.num_emitted_chars and num_out == out.num_emitted_tokens and not finished:
         return None
-    text = seq.output_text[seq.num_emitted_chars : text_end]
-    new_ids = out_ids[seq.num_emitted_tokens :]
-    lps = seq.logprobs[seq.num_emitted_tokens :] if seq.params.logprobs is not None else None
-    seq.num_emitted_chars = text_end
-    seq.num_emitted_tokens = len(out_ids)
-    seq.final_emitted = finished
+    text = out.text[out.num_emitted_chars : text_end]
+    new_ids = seq.token_ids[seq.prompt_len + out.num_emitted_tokens :]  # only the new tokens are copied
+    lps = out.logprobs[out.num_emitted_tokens :] if seq.params.logprobs is not None else None
+    out.num_emitted_chars = text_end
+    out.num_emitted_tokens = num_out
+    out.final_emitted = finished
     return CompletionOutput(
         index=seq.index,
         text=text,
         token_ids=new_ids,
-        finish_reason=seq.finish_reason if finished else None,
-        stop_reason=seq.stop_reason if finished else None,
+        finish_reason=out.finish_reason if finished else None,
+        stop_reason=out.stop_reason if finished else None,
         logprobs=lps,
-        cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+        cumulative_logprob=out.cumulative_logprob if seq.params.logprobs is not None else None,
     )

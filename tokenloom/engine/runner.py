@@ -42,12 +42,15 @@ class ModelRunner:
         flat token index of each logits row."""
         entries = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
-            known = seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids
+            # What the sequence knows: its tokens, then its draft tokens (if any) to verify.
+            start, end, drafts = seq.num_computed_tokens, seq.num_computed_tokens + n, seq.spec.token_ids
+            ids = seq.token_ids[start:end]  # copies only this step's tokens
+            if drafts and end > seq.num_tokens:
+                ids += drafts[: end - seq.num_tokens]
             # A sequence whose step reaches the end of what it knows samples: one logits row, or
             # 1 + k rows when it verifies k draft tokens.
-            num_logits = 1 + len(seq.spec_token_ids) if start + n == len(known) else 0
-            entries.append(StepInput(known[start : start + n], start, seq.block_ids, num_logits))
+            num_logits = 1 + len(drafts) if end == seq.num_tokens + len(drafts) else 0
+            entries.append(StepInput(ids, start, seq.block_ids, num_logits))
         return build_step(entries, self.block_size, self.device)
 
     @torch.inference_mode()

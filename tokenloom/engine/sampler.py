@@ -5,56 +5,158 @@ or temperature -> top-k -> top-p -> min-p -> sample. Sampling uses the exponenti
 (argmax p_i / E_i, E_i ~ Exp(1)), drawing E from the request's own generator when it has a seed, so a
 seeded request draws the same numbers whatever else is in the batch. Logprobs are of the raw model
 distribution (log_softmax of the logits before any processing), as the OpenAI API reports them.
+
+Each step, `prepare` reads the batch's sequences once into a SamplingBatch (which logits rows sample and
+which verify drafts, per-row parameters as tensors); `sample` (and spec/verify.py for verifying rows)
+consume it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from tokenloom.engine.sequence import Sequence, TokenLogprob
+from tokenloom.engine.sequence import Sequence
+from tokenloom.outputs import TokenLogprob
+
+LOGITS_DTYPE = torch.float32  # models/llama.py compute_logits: the sampler always sees float32 logits
+
+
+@dataclass(frozen=True)
+class SamplingArgs:
+    """Temperature, top-k, top-p and min-p of R rows, as the tensors `Sampler.probs` applies."""
+
+    temperatures: torch.Tensor  # (R,) float32
+    top_ks: list[int]  # (R,) vocab size where disabled, filled in by probs()
+    top_ps: list[float]  # (R,)
+    min_ps: torch.Tensor  # (R,) float32
+
+    @classmethod
+    def of(cls, seqs: Seq[Sequence], device: torch.device) -> SamplingArgs:
+        return cls(
+            torch.tensor([s.params.temperature for s in seqs], dtype=LOGITS_DTYPE, device=device),
+            [s.params.top_k for s in seqs],
+            [s.params.top_p for s in seqs],
+            torch.tensor([s.params.min_p for s in seqs], dtype=LOGITS_DTYPE, device=device),
+        )
+
+
+@dataclass(frozen=True)
+class VerifyRow:
+    """A sequence that verifies k drafts: its k + 1 logits rows [start, end)."""
+
+    batch_row: int
+    seq: Sequence
+    start: int
+    end: int
+    args: SamplingArgs | None  # its sampling parameters repeated k + 1 times; None when greedy
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """One step's sampling work, read from the sequences once. "Plain" rows sample one token each."""
+
+    num_rows: int  # S: rows of the scheduled batch
+    seqs: list[Sequence]  # (P,) the sequence of each plain row
+    batch_rows: list[int]  # (P,) its row in the scheduled batch
+    logit_rows: list[int] | None  # (P,) its logits row; None: the logits are exactly the plain rows, in order
+    greedy: list[int]  # indices into the P plain rows that take the argmax
+    sampled: list[int]  # the others
+    args: SamplingArgs | None  # of the `sampled` rows
+    needs_processing: bool  # a plain row has penalties or a pending min_tokens
+    logprobs: list[int | None] | None  # (P,) top-N asked per plain row; None: no row asked
+    verify: list[VerifyRow]  # sequences verifying drafts, in batch order
 
 
 @dataclass
-class SampleResult:
-    token_id: int
-    logprob: TokenLogprob | None  # only when the request asked for logprobs
+class Verified:
+    """A verifying sequence's new tokens: the drafts the target accepted, then one token of the target's."""
+
+    token_ids: list[int]  # 1..k+1 tokens
+    logprobs: list[TokenLogprob | None]
+    num_accepted: int  # drafts accepted (len(token_ids) - 1)
+
+
+@dataclass
+class SamplerOutput:
+    """One step's new tokens by batch row."""
+
+    token_ids: list[int | None]  # (S,) the token of each plain row; None: no token (mid-prompt) or verifying
+    logprobs: list[TokenLogprob | None]  # (S,) that token's logprob, where the request asked
+    verified: dict[int, Verified] = field(default_factory=dict)  # batch row -> run, for verifying rows
 
 
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | None = None) -> None:
+        self.device = torch.device(device or "cpu")
         # Requests without a seed share this generator: reproducible per engine run, not per request.
-        self.generator = torch.Generator(device=device or "cpu")
+        self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[SampleResult]:
-        """logits: (S, vocab) float32, row i belongs to seqs[i]."""
+    def prepare(self, seqs: Seq[Sequence], rows: list[int]) -> SamplingBatch:
+        """`seqs`: the scheduled batch; `rows`: the batch row of each logits row (the runner's). A
+        sequence with draft tokens owns k + 1 consecutive rows and verifies; any other owns one row."""
+        if not any(s.spec.token_ids for s in seqs):  # one row per sampling sequence, in order
+            plain_rows, logit_rows, verify = list(rows), None, []
+        else:
+            first: dict[int, int] = {}  # batch row -> its first logits row, in batch order
+            count: dict[int, int] = {}
+            for r, b in enumerate(rows):
+                first.setdefault(b, r)
+                count[b] = count.get(b, 0) + 1
+            plain_rows = [b for b in first if not seqs[b].spec.token_ids]
+            logit_rows = [first[b] for b in plain_rows]
+            verify = [self._verify_row(b, seqs[b], first[b], first[b] + count[b]) for b in first
+                      if seqs[b].spec.token_ids]
+        plain = [seqs[b] for b in plain_rows]
+        greedy = [i for i, s in enumerate(plain) if s.params.greedy]
+        sampled = [i for i, s in enumerate(plain) if not s.params.greedy]
+        want = [s.params.logprobs for s in plain]
+        return SamplingBatch(
+            num_rows=len(seqs), seqs=plain, batch_rows=plain_rows, logit_rows=logit_rows,
+            greedy=greedy, sampled=sampled,
+            args=SamplingArgs.of([plain[i] for i in sampled], self.device) if sampled else None,
+            needs_processing=any(_needs_processing(s) for s in plain),
+            logprobs=want if any(w is not None for w in want) else None,
+            verify=verify,
+        )
+
+    def _verify_row(self, b: int, seq: Sequence, start: int, end: int) -> VerifyRow:
+        args = None if seq.params.greedy else SamplingArgs.of([seq] * (end - start), self.device)
+        return VerifyRow(b, seq, start, end, args)
+
+    def sample(self, batch: SamplingBatch, logits: torch.Tensor) -> SamplerOutput:
+        """logits: (rows, vocab) float32. Samples the plain rows; verifying rows are spec/verify.py's."""
+        out = SamplerOutput([None] * batch.num_rows, [None] * batch.num_rows)
+        if not batch.seqs:
+            return out
+        if batch.logit_rows is not None:
+            logits = logits[batch.logit_rows]
         raw = logits
-        if any(_needs_processing(s) for s in seqs):
+        seqs = batch.seqs
+        if batch.needs_processing:
             logits = logits.clone()  # `raw` stays untouched for logprobs
             self._mask_stop_tokens(logits, seqs)
             self._apply_penalties(logits, seqs)
 
-        greedy = [s.params.greedy for s in seqs]
-        token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
-        if all(greedy):
+        if batch.args is None:  # every plain row is greedy
             token_ids = first_argmax(logits)
-        elif any(greedy):
-            rows = [i for i, g in enumerate(greedy) if g]
-            token_ids[rows] = first_argmax(logits[rows])
-        if not all(greedy):
-            rows = [i for i, g in enumerate(greedy) if not g]
-            probs = self.probs([seqs[i] for i in rows], logits[rows])
-            token_ids[rows] = self._sample(probs, [seqs[i] for i in rows])
+        else:
+            token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+            if batch.greedy:
+                token_ids[batch.greedy] = first_argmax(logits[batch.greedy])
+            probs = self.probs_from(batch.args, logits[batch.sampled])
+            token_ids[batch.sampled] = self._sample(probs, [seqs[i] for i in batch.sampled])
 
         ids = token_ids.tolist()
-        want = [s.params.logprobs for s in seqs]
-        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-        if any(w is not None for w in want):
-            logprobs = logprobs_of(raw, ids, want)
-        return [SampleResult(t, lp) for t, lp in zip(ids, logprobs)]
+        logprobs = logprobs_of(raw, ids, batch.logprobs) if batch.logprobs is not None else None
+        for i, b in enumerate(batch.batch_rows):
+            out.token_ids[b] = ids[i]
+            if logprobs is not None:
+                out.logprobs[b] = logprobs[i]
+        return out
 
     @staticmethod
     def _mask_stop_tokens(logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
@@ -75,20 +177,23 @@ class Sampler:
                 row = logits[i, seen]
                 logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             if p.presence_penalty or p.frequency_penalty:
-                out = s.output_token_ids
-                if out:
-                    counts = torch.bincount(torch.tensor(out, device=logits.device), minlength=vocab)[:vocab]
-                    counts = counts.to(logits.dtype)
+                if s.num_output_tokens:
+                    out = torch.tensor(s.token_ids[s.prompt_len :], device=logits.device)
+                    counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
                     logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
     @staticmethod
     def probs(seqs: Seq[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p; returns (S, vocab) probabilities."""
-        temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype, device=logits.device)
-        logits = logits / temps[:, None]
+        """Temperature, top-k, top-p, min-p of `seqs` (row i: seqs[i]); returns (S, vocab) probabilities."""
+        return Sampler.probs_from(SamplingArgs.of(seqs, logits.device), logits)
+
+    @staticmethod
+    def probs_from(args: SamplingArgs, logits: torch.Tensor) -> torch.Tensor:
+        """`probs` with the parameters already read (one row of `args` per row of `logits`)."""
+        logits = logits / args.temperatures[:, None]
         vocab = logits.shape[1]
-        top_ks = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs]
-        top_ps = [s.params.top_p for s in seqs]
+        top_ks = [k if 0 < k < vocab else vocab for k in args.top_ks]
+        top_ps = args.top_ps
         if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             ranks = torch.arange(vocab, device=logits.device)[None, :]
@@ -103,7 +208,7 @@ class Sampler:
             sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
-        min_ps = torch.tensor([s.params.min_p for s in seqs], dtype=probs.dtype, device=probs.device)
+        min_ps = args.min_ps
         if bool((min_ps > 0).any()):
             threshold = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
@@ -128,9 +233,8 @@ class Sampler:
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
-    """(S, vocab) -> (S,) index of each row's largest value, the first one on ties (as argmax). torch's
-    max(dim) gives the same indices as argmax in 0.4x the time on CPU (1.0 ms against 2.4 ms at 64 rows of
-    49,152): the greedy step of a 64-sequence batch is one argmax, and it ran every decode step."""
+    """(S, vocab) -> (S,) index of each row's largest value, the first one on ties (as argmax), in less
+    than half argmax's time on CPU (docs/performance-notes.md)."""
     return x.max(dim=-1).indices
 
 

@@ -7,6 +7,12 @@ within `max_num_batched_tokens`, then admits waiting sequences in (priority, arr
 stalls other sequences' decoding. When blocks run out, the running sequence with the lowest priority and
 latest arrival is preempted: its blocks are freed and it is recomputed later (from its first block that
 is no longer in the prefix cache).
+
+After the model ran and the sampler picked tokens, `update` settles the step: how many tokens now have
+K/V in the cache (all scheduled ones, less the rejected drafts), the new tokens (through the output
+processor, which says when one ends its sequence), the blocks that filled up (indexed in the prefix
+cache) or were reserved for rejected drafts (returned), and the finished sequences (freed).
+`reserve_drafts` then picks the decoding sequences that may speculate next step and reserves their slots.
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ import heapq
 from dataclasses import dataclass, field
 
 from tokenloom.engine.kv_cache_manager import KVCacheManager
+from tokenloom.engine.output_processor import OutputProcessor
+from tokenloom.engine.sampler import SamplerOutput
 from tokenloom.engine.sequence import Sequence, SequenceStatus
+from tokenloom.spec.verify import can_speculate
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,17 @@ class ScheduledBatch:
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
+
+
+@dataclass
+class StepUpdate:
+    """What `Scheduler.update` did with one step, for the engine's stats and outputs."""
+
+    computed_prompt: list[bool]  # (S,) the row computed prompt tokens (a prefill chunk, or recomputation)
+    sampled: list[Sequence] = field(default_factory=list)  # sequences that got new tokens, in batch order
+    num_sampled: int = 0  # tokens appended, over all of them
+    finished: list[Sequence] = field(default_factory=list)
+    drafts: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per verifying sequence
 
 
 class Scheduler:
@@ -84,9 +104,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
-        seq.draft_num_computed = 0
-        seq.spec_token_ids = []
-        seq.spec_draft_probs = None
+        seq.spec.draft_num_computed = 0
+        seq.spec.clear()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
@@ -104,12 +123,12 @@ class Scheduler:
                 break
             if seq not in self.running:  # preempted earlier in this loop
                 continue
-            spec = len(seq.spec_token_ids)  # draft tokens to verify: 1 + k tokens for a decode
+            spec = len(seq.spec.token_ids)  # draft tokens to verify: 1 + k tokens for a decode
             n = min(seq.num_tokens - seq.num_computed_tokens + spec, budget)
             if spec and n < 1 + spec:  # the budget cuts the drafts short: verify fewer
-                del seq.spec_token_ids[max(n - 1, 0):]
-                if seq.spec_draft_probs is not None:
-                    seq.spec_draft_probs = seq.spec_draft_probs[: len(seq.spec_token_ids)]
+                del seq.spec.token_ids[max(n - 1, 0):]
+                if seq.spec.draft_probs is not None:
+                    seq.spec.draft_probs = seq.spec.draft_probs[: len(seq.spec.token_ids)]
             while not self.kv.allocate_slots(seq, n):
                 victim = max(self.running, key=Sequence.sort_key)
                 self.running.remove(victim)
@@ -143,3 +162,69 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
         return batch
+
+    # -- after the model ran --------------------------------------------------------------------
+
+    def update(self, batch: ScheduledBatch, sampled: SamplerOutput, output: OutputProcessor) -> StepUpdate:
+        """Settle one executed step (see the module docstring); finished sequences are freed here."""
+        result = StepUpdate([seq.num_computed_tokens < seq.prompt_len for seq in batch.seqs])
+        finished: list[tuple[Sequence, SequenceStatus]] = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            run = sampled.verified.get(i)
+            token = sampled.token_ids[i]
+            status = None
+            if run is not None:  # verified k drafts: K/V is valid for the accepted ones and the last token
+                seq.num_computed_tokens += 1 + run.num_accepted
+                result.drafts.append((len(seq.spec.token_ids), run.num_accepted))
+                for t, lp in zip(run.token_ids, run.logprobs):
+                    result.num_sampled += 1
+                    status = output.append(seq, t, lp)
+                    if status is not None:
+                        break
+                # A stop inside the accepted run leaves computed tokens past the end: never count those.
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            else:
+                seq.num_computed_tokens += n
+                if token is not None:
+                    result.num_sampled += 1
+                    status = output.append(seq, token, sampled.logprobs[i])
+            if run is not None or token is not None:
+                result.sampled.append(seq)
+            # Drafts are verified or void after any step the sequence took part in (the scheduler may
+            # have cut them to none); the draft model's cache is valid only up to what the target
+            # computed, and slots reserved for drafts past the sequence's tokens go back to the pool.
+            seq.spec.draft_num_computed = min(seq.spec.draft_num_computed, seq.num_computed_tokens)
+            seq.spec.clear()
+            self.kv.trim(seq)
+            self.kv.cache_full_blocks(seq)
+            if status is not None:
+                finished.append((seq, status))
+        for seq, status in finished:  # after the loop: no block is freed while others still cache theirs
+            self.finish(seq, status)
+            result.finished.append(seq)
+        return result
+
+    def reserve_drafts(self, k_max: int) -> tuple[list[Sequence], list[int]]:
+        """The decoding sequences that may speculate next step and how many draft tokens each (at most
+        `k_max`), with KV slots reserved for them. Hand them to a proposer, then `release_drafts`."""
+        # Drafts must not crowd decodes out of the next step's token budget: each running sequence
+        # keeps one token of it.
+        room = self.config.max_num_batched_tokens - self.num_running
+        seqs, ks = [], []
+        for seq in self.running:
+            if seq.spec.token_ids or seq.num_computed_tokens != seq.num_tokens - 1 or not can_speculate(seq):
+                continue  # drafts still unverified (not scheduled last step), prefilling, or penalties
+            # Never draft past max_tokens: the verified run ends with one target token.
+            k = min(k_max, seq.max_tokens - seq.num_output_tokens - 1, room)
+            if k <= 0 or not self.kv.allocate_slots(seq, 1 + k):
+                continue
+            seqs.append(seq)
+            ks.append(k)
+            room -= k
+        return seqs, ks
+
+    def release_drafts(self, seqs: list[Sequence]) -> None:
+        """After proposing: a sequence that got no draft (no n-gram match) gives its reserved slots back."""
+        for seq in seqs:
+            if not seq.spec.token_ids:
+                self.kv.trim(seq)

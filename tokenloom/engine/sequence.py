@@ -1,4 +1,11 @@
-"""One sequence's state as it moves waiting -> running -> finished (and back to waiting when preempted)."""
+"""One sequence's state as it moves waiting -> running -> finished (and back to waiting when preempted),
+and the request that groups a prompt's n sequences.
+
+A Sequence holds what the scheduler and the KV cache manager work with (tokens, computed tokens, block
+table, prefix-cache hashes). Two parts live beside it, each changed by one owner: `spec` (draft tokens
+waiting for verification: the proposers write it, the scheduler settles it after each step) and `output`
+(detokenized text, stop state and what has been streamed: the output processor's alone).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from tokenizers.decoders import DecodeStream
 
+from tokenloom.outputs import TokenLogprob
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -25,14 +33,6 @@ class SequenceStatus(enum.Enum):
 
 
 @dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    rank: int  # 1 = most likely
-    top: dict[int, float]  # top-N token id -> logprob
-
-
-@dataclass
 class SequenceTimes:
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None
@@ -43,12 +43,41 @@ class SequenceTimes:
     decode_seconds: float = 0.0  # wall time of the steps that produced its later tokens
 
 
+@dataclass
+class SpecState:
+    """Speculative decoding: draft tokens to verify next step (they follow the sequence's token_ids),
+    the draft model's probabilities for them when it sampled them ((k, vocab); None for greedy or n-gram
+    drafts), and how many tokens the draft model's own KV cache holds."""
+
+    token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    draft_num_computed: int = 0
+
+    def clear(self) -> None:
+        self.token_ids, self.draft_probs = [], None
+
+
+@dataclass
+class OutputState:
+    """What the output processor (engine/output_processor.py) made of the sequence's tokens."""
+
+    decoder: DecodeStream | None = None
+    text: str = ""
+    num_emitted_chars: int = 0  # chars of text already returned to a streaming caller
+    num_emitted_tokens: int = 0
+    final_emitted: bool = False  # the delta carrying finish_reason has been handed out
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
 @dataclass(eq=False)  # identity semantics: the scheduler looks sequences up in its queues
 class Sequence:
     seq_id: str  # unique in the engine: request_id, or "request_id#i" for the i-th of n
     request_id: str
     index: int  # which of the request's n completions
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # shared by the request's n sequences: never mutated
     params: SamplingParams
     max_tokens: int  # resolved: params.max_tokens capped by max_model_len - prompt length
     stop_token_ids: frozenset[int]  # eos ids (unless ignore_eos) + params.stop_token_ids
@@ -64,24 +93,10 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0
     num_cached_tokens: int | None = None
-    # Speculative decoding: draft tokens to verify next step (after token_ids), the draft model's
-    # probabilities for them when it sampled them ((k, vocab), None for greedy or n-gram drafts), and
-    # how many tokens the draft model's own KV cache holds.
-    spec_token_ids: list[int] = field(default_factory=list)
-    spec_draft_probs: torch.Tensor | None = None
-    draft_num_computed: int = 0
     num_preemptions: int = 0
-    # Output side.
-    decoder: DecodeStream | None = None
-    output_text: str = ""
-    num_emitted_chars: int = 0  # chars of output_text already returned to a streaming caller
-    num_emitted_tokens: int = 0
-    final_emitted: bool = False  # the delta carrying finish_reason has been handed out
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
     times: SequenceTimes = field(default_factory=SequenceTimes)
+    spec: SpecState = field(default_factory=SpecState)
+    output: OutputState = field(default_factory=OutputState)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -96,10 +111,6 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len :]
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
@@ -110,3 +121,15 @@ class Sequence:
 
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.arrival_order)
+
+
+@dataclass(eq=False)
+class Request:
+    """A validated request: its prompt (one copy, shared by its sequences) and its n sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival: float

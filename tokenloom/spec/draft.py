@@ -6,7 +6,7 @@ Both run through the target's ModelRunner on the target's block tables, so a dra
 in the slot its verified twin will occupy:
 - a separate draft model keeps its own KV tensors (same block ids). It catches up on the tokens it has
   not seen yet (the prompt, on the first proposal) in its first forward of each round, and after
-  verification `draft_num_computed` falls back to what the target accepted;
+  verification `spec.draft_num_computed` falls back to what the target accepted;
 - the self-draft reads and writes the target's own cache for its first K layers: the target computes
   those layers' K/V for every token anyway (and rewrites the draft positions when it verifies).
 Greedy requests draft with argmax; sampled ones draw from the draft's distribution under the request's
@@ -35,7 +35,7 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> None:
         """Draft ks[i] tokens for seqs[i] (each decoding: num_tokens == num_computed_tokens + 1, with
-        slots allocated for num_tokens + ks[i] positions); sets spec_token_ids / spec_draft_probs."""
+        slots allocated for num_tokens + ks[i] positions); sets seq.spec's token_ids / draft_probs."""
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
@@ -48,7 +48,7 @@ class DraftModelProposer:
                 s = seqs[i]
                 if j == 0:  # catch up to (and including) the last known token
                     start = s.num_computed_tokens if self.shares_target_cache else min(
-                        s.draft_num_computed, s.num_computed_tokens)
+                        s.spec.draft_num_computed, s.num_computed_tokens)
                     entries.append(StepInput(s.token_ids[start:], start, s.block_ids, 1))
                 else:
                     entries.append(StepInput([drafts[i][-1]], s.num_tokens - 1 + j, s.block_ids, 1))
@@ -60,10 +60,10 @@ class DraftModelProposer:
         for s, k, d, q in zip(seqs, ks, drafts, probs):
             if k <= 0:
                 continue
-            s.spec_token_ids = d
-            s.spec_draft_probs = torch.stack(q) if q and not s.params.greedy else None
+            s.spec.token_ids = d
+            s.spec.draft_probs = torch.stack(q) if q and not s.params.greedy else None
             # The draft's own cache now holds every position before its last draft token.
-            s.draft_num_computed = s.num_tokens - 1 + k
+            s.spec.draft_num_computed = s.num_tokens - 1 + k
 
     def _pick(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
               probs: list[list[torch.Tensor]]) -> None:

@@ -17,8 +17,8 @@ class NgramProposer:
     def propose(self, seqs: list[Sequence], ks: list[int]) -> None:
         """Up to ks[i] draft tokens for seqs[i] (fewer, or none, when no earlier match exists)."""
         for seq, k in zip(seqs, ks):
-            seq.spec_token_ids = lookup(seq.token_ids, k, self.max_n, self.min_n)
-            seq.spec_draft_probs = None
+            seq.spec.token_ids = lookup(seq.token_ids, k, self.max_n, self.min_n)
+            seq.spec.draft_probs = None
 
 
 def lookup(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:

@@ -12,19 +12,11 @@ then distributed exactly as under the target alone. n-gram drafts are determinis
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from tokenloom.engine.sampler import Sampler, logprobs_of
-from tokenloom.engine.sequence import Sequence, TokenLogprob
-
-
-@dataclass
-class Verified:
-    token_ids: list[int]  # accepted drafts then one target token: 1..k+1 tokens
-    logprobs: list[TokenLogprob | None]
-    num_accepted: int  # drafts accepted (len(token_ids) - 1)
+from tokenloom.engine.sampler import Sampler, SamplingArgs, SamplingBatch, Verified, logprobs_of
+from tokenloom.engine.sequence import Sequence
+from tokenloom.outputs import TokenLogprob
 
 
 def can_speculate(seq: Sequence) -> bool:
@@ -35,9 +27,15 @@ def can_speculate(seq: Sequence) -> bool:
             and seq.num_output_tokens >= p.min_tokens)
 
 
-def verify(seq: Sequence, logits: torch.Tensor, sampler: Sampler) -> Verified:
-    """logits: (k + 1, vocab) float32 target logits for the sequence's last token and its k drafts."""
-    drafts = seq.spec_token_ids
+def verify_batch(batch: SamplingBatch, logits: torch.Tensor, sampler: Sampler) -> dict[int, Verified]:
+    """Every verifying sequence of the step (batch.verify, in batch order): batch row -> its run."""
+    return {v.batch_row: verify(v.seq, logits[v.start : v.end], sampler, v.args) for v in batch.verify}
+
+
+def verify(seq: Sequence, logits: torch.Tensor, sampler: Sampler, args: SamplingArgs | None = None) -> Verified:
+    """logits: (k + 1, vocab) float32 target logits for the sequence's last token and its k drafts;
+    `args`: the request's sampling parameters for those k + 1 rows (made here when not given)."""
+    drafts = seq.spec.token_ids
     k = len(drafts)
     if seq.params.greedy:
         target = logits.argmax(dim=-1).tolist()  # (k + 1,)
@@ -46,7 +44,7 @@ def verify(seq: Sequence, logits: torch.Tensor, sampler: Sampler) -> Verified:
             a += 1
         tokens = drafts[:a] + [target[a]]
     else:
-        tokens = _rejection_sample(seq, logits, sampler)
+        tokens = _rejection_sample(seq, logits, sampler, args or SamplingArgs.of([seq] * (k + 1), logits.device))
         a = len(tokens) - 1
     want = seq.params.logprobs
     lps: list[TokenLogprob | None] = [None] * len(tokens)
@@ -55,11 +53,11 @@ def verify(seq: Sequence, logits: torch.Tensor, sampler: Sampler) -> Verified:
     return Verified(tokens, lps, a)
 
 
-def _rejection_sample(seq: Sequence, logits: torch.Tensor, sampler: Sampler) -> list[int]:
-    drafts = seq.spec_token_ids
+def _rejection_sample(seq: Sequence, logits: torch.Tensor, sampler: Sampler, args: SamplingArgs) -> list[int]:
+    drafts = seq.spec.token_ids
     k = len(drafts)
-    p = Sampler.probs([seq] * (k + 1), logits)  # (k + 1, vocab), the request's temperature/top-k/top-p/min-p
-    q = seq.spec_draft_probs  # (k, vocab), or None: deterministic drafts
+    p = Sampler.probs_from(args, logits)  # (k + 1, vocab), the request's temperature/top-k/top-p/min-p
+    q = seq.spec.draft_probs  # (k, vocab), or None: deterministic drafts
     gen = seq.generator if seq.generator is not None else sampler.generator
     u = torch.rand(k, generator=gen, device=p.device, dtype=p.dtype) if k else p.new_empty(0)
     for i, d in enumerate(drafts):
