@@ -17,24 +17,25 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
 from typing import Any, TypeVar
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.engine import LLMEngine
+from tokenloom.engine.sequence import Request
 from tokenloom.errors import EngineDead, InvalidRequest, Overloaded
+from tokenloom.models.config import ModelConfig
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenloom.async_engine")
 
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None
-    priority: int
+    request: Request  # validated on the caller's thread (LLMEngine.process_request)
 
 
 @dataclass
@@ -48,6 +49,23 @@ class _Call:
 
     fn: Callable[[LLMEngine], Any]
     future: "concurrent.futures.Future[Any]"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the HTTP layer reports about the loaded model (Ollama's /api/tags and /api/show), read once so
+    that no handler reaches into the engine the loop thread owns."""
+
+    name: str
+    path: Path  # the model folder or .gguf file
+    dtype: str  # "bfloat16", "float32", ...
+    num_parameters: int
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> "ModelInfo":
+        loaded = engine.loaded
+        return cls(loaded.name, loaded.path, str(loaded.dtype).removeprefix("torch."),
+                   sum(p.numel() for p in loaded.model.parameters()))
 
 
 _Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
@@ -105,6 +123,23 @@ class AsyncLLMEngine:
         with self._lock:
             return len(self._streams)
 
+    # Set when the engine was built and never reassigned: safe to read from any thread.
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.model_config
+
+    @cached_property
+    def model_info(self) -> ModelInfo:
+        return ModelInfo.of(self.engine)
+
     async def generate(
         self,
         prompt_token_ids: list[int],
@@ -116,8 +151,9 @@ class AsyncLLMEngine:
         """Yield delta outputs until the request finishes. Validation errors raise before anything runs."""
         if not self.is_alive:
             raise EngineDead(f"the engine is not running ({self._dead!r})")
-        self.engine.validate_prompt(prompt_token_ids, params)  # read-only: safe from this thread
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        # Validated and copied here, once: process_request reads nothing a step changes.
+        req = self.engine.process_request(prompt_token_ids, params, rid, prompt, priority)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._lock:
             if rid in self._streams:
@@ -126,7 +162,7 @@ class AsyncLLMEngine:
             if self.max_waiting is not None and running - self.engine.config.max_num_seqs >= self.max_waiting:
                 raise Overloaded(f"{running} requests in flight; the queue of {self.max_waiting} is full")
             self._streams[rid] = (asyncio.get_running_loop(), q)
-        self._inbox.put(_Add(rid, list(prompt_token_ids), params, prompt, priority))
+        self._inbox.put(_Add(req))
         finished = False
         try:
             while True:
@@ -222,14 +258,15 @@ class AsyncLLMEngine:
             if final is not None:
                 self._hook([final])
             return
+        rid = cmd.request.request_id
         with self._lock:
-            wanted = cmd.request_id in self._streams
+            wanted = rid in self._streams
         if not wanted:  # aborted before it was ever queued
             return
         try:
-            self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.prompt, cmd.priority)
+            self.engine.add(cmd.request)
         except Exception as e:  # a request the engine refuses fails alone
-            self._post(cmd.request_id, e)
+            self._post(rid, e)
 
     def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tokenloom.engine.async_engine import AsyncLLMEngine
 from tokenloom.errors import TokenloomError
 from tokenloom.serve.errors import Unauthorized, error_body, error_response
+from tokenloom.serve.frontend import Frontend
 from tokenloom.serve.kv_api import router as kv_router
 from tokenloom.serve.metrics import ServingMetrics
 from tokenloom.serve.ollama_api import router as ollama_router
@@ -51,6 +52,7 @@ def build_app(
     app = FastAPI(title="tokenloom", version="0.1.0")
     app.state.engine = engine
     app.state.model_name = model_name
+    app.state.frontend = Frontend(engine, model_name)  # prompts, max_tokens and streams for every route
     app.state.metrics = metrics
     app.state.role = role
     app.include_router(openai_router)

@@ -22,8 +22,8 @@ from tokenloom.disagg.transfer import send_blocks
 from tokenloom.engine.async_engine import AsyncLLMEngine
 from tokenloom.errors import InvalidRequest
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.serve.errors import ModelNotFound, error_body
-from tokenloom.serve.openai_api import chat_prompt_ids, completion_prompt_ids
+from tokenloom.serve.errors import error_body
+from tokenloom.serve.frontend import Frontend
 from tokenloom.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
@@ -38,21 +38,20 @@ class PrefillRequest(BaseModel):
 
 @router.post("/internal/kv/prefill")
 async def prefill(body: PrefillRequest, request: Request) -> Any:
-    engine: AsyncLLMEngine = request.app.state.engine
+    fe: Frontend = request.app.state.frontend
+    engine: AsyncLLMEngine = fe.engine
     if request.app.state.role == "decode":
         raise InvalidRequest("this worker runs --role decode; send prefills to a prefill (or both) worker")
-    tok = engine.engine.tokenizer
     try:
         if body.endpoint == "/v1/chat/completions":
             chat = ChatCompletionRequest.model_validate(body.request)
-            model, prompts = chat.model, [chat_prompt_ids(tok, chat)]
+            model, prompts = chat.model, [fe.chat_ids(chat.messages, chat.add_generation_prompt)]
         else:
             comp = CompletionRequest.model_validate(body.request)
-            model, prompts = comp.model, completion_prompt_ids(tok, comp)[1]
+            model, prompts = comp.model, fe.completion_prompts(comp.prompt)[1]
     except pydantic.ValidationError as e:
         raise InvalidRequest(f"request: {e.errors()[0].get('msg', 'invalid')}", "request") from e
-    if model != request.app.state.model_name:
-        raise ModelNotFound(model)
+    fe.check_model(model)
     start = time.monotonic()
     sent = written = present = nbytes = 0
     layout = await engine.call(KVLayout.of)

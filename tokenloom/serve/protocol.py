@@ -1,12 +1,11 @@
-"""OpenAI request bodies (pydantic) and their translation into SamplingParams."""
+"""Request bodies (pydantic) of the OpenAI and Ollama APIs; serve/frontend.py turns them into prompts and
+SamplingParams."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from tokenloom.sampling_params import SamplingParams
 
 
 class _Body(BaseModel):
@@ -34,26 +33,6 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
     min_tokens: int = 0  # extension
-
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return SamplingParams(
-            n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            seed=self.seed,
-            max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            stop=tuple(stop),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
-        )
 
 
 class CompletionRequest(_Sampling):
@@ -96,3 +75,48 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+# -- Ollama ------------------------------------------------------------------------------------------
+
+
+class Options(_Body):
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    num_predict: int | None = None  # -1: until the context is full
+    num_ctx: int | None = None
+    stop: list[str] | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+class OllamaRequest(_Body):
+    model: str
+    stream: bool = True
+    options: Options = Field(default_factory=Options)
+
+
+class GenerateRequest(OllamaRequest):
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+
+
+class Message(_Body):
+    role: str
+    content: str = ""
+
+    def text(self) -> str:
+        return self.content
+
+
+class ChatRequest(OllamaRequest):
+    messages: list[Message] = Field(default_factory=list)
+
+
+class ShowRequest(_Body):
+    model: str = Field(validation_alias="model")

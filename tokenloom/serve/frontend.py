@@ -1,0 +1,222 @@
+"""The one front door of the OpenAI, Ollama and KV routes: request -> token ids -> SamplingParams -> streams.
+
+Each route used to tokenize, template, size max_tokens against the context and build SamplingParams on its
+own, with two policies for the same question. Here they share one copy of each; handlers only parse their
+body, call the frontend and format the response. The prompt's own checks (token ids inside the vocabulary,
+shorter than max_model_len) are the engine's (`LLMEngine.process_request`, run once by
+`AsyncLLMEngine.generate` on the caller's thread); the frontend adds only what the engine cannot know: the
+API's max_tokens policy against the context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing
+
+from tokenloom.engine.async_engine import AsyncLLMEngine
+from tokenloom.errors import ContextTooLong, InvalidRequest
+from tokenloom.outputs import RequestOutput, merge_delta
+from tokenloom.sampling_params import SamplingParams
+from tokenloom.serve.errors import ModelNotFound
+from tokenloom.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Message, Options
+from tokenloom.tokenizer import Tokenizer
+
+Indexed = tuple[int, RequestOutput]  # (prompt index, delta output)
+
+
+class Frontend:
+    """Built once per app (`app.state.frontend`) from the engine and the name the model is served under."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def check_model(self, name: str, latest_ok: bool = False) -> None:
+        """OpenAI clients name the served model exactly; Ollama clients may add the implied ":latest" tag."""
+        if name != self.model_name and not (latest_ok and name == f"{self.model_name}:latest"):
+            raise ModelNotFound(name)
+
+    # -- prompts ----------------------------------------------------------------------------------------
+
+    def completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]
+                           ) -> tuple[list[str | None], list[list[int]]]:
+        """A completion prompt (a string, token ids, or a list of either) as its texts (None for token ids)
+        and token ids. Every prompt must be non-empty here, so that a bad one fails the request before any
+        of the others starts; token ids are passed on as given (`generate` copies them once)."""
+        if isinstance(prompt, str):
+            raw: list[str | list[int]] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            raw = [prompt]  # type: ignore[list-item]
+        else:
+            raw = list(prompt)  # type: ignore[arg-type]
+        ids = [self.tokenizer.encode(r) if isinstance(r, str) else r for r in raw]
+        if not ids or not all(ids):
+            raise InvalidRequest("prompt must not be empty", "prompt")
+        return [r if isinstance(r, str) else None for r in raw], ids
+
+    def chat_ids(self, messages: Sequence[ChatMessage | Message], add_generation_prompt: bool = True) -> list[int]:
+        """Chat messages through the model's chat template, as token ids."""
+        return self.tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in messages],
+                                          add_generation_prompt)
+
+    def generate_ids(self, prompt: str, system: str | None = None, raw: bool = False) -> list[int]:
+        """Ollama's /api/generate prompt: templated as one user turn (after `system`) unless `raw` or the
+        model has no chat template."""
+        if raw or not self.tokenizer.chat_template:
+            return self.tokenizer.encode(prompt)
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return self.tokenizer.encode_chat(msgs)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        vocab = self.engine.model_config.vocab_size
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        return self.tokenizer.decode(tokens)
+
+    # -- max_tokens and SamplingParams ------------------------------------------------------------------
+
+    def max_tokens(self, prompt_len: int, asked: int | None, context: int | None = None, cap: bool = False) -> int:
+        """The one rule for output length against the context, for both APIs.
+
+        The limit is max_model_len, lowered to `context` when given (Ollama's num_ctx). A prompt that leaves
+        no room for one token is ContextTooLong on "prompt". `asked` None fills the room (OpenAI chat without
+        max_tokens, Ollama's num_predict -1). An `asked` larger than the room is ContextTooLong on
+        "max_tokens", as vLLM answers, or, with `cap` (Ollama's num_predict), the room. An `asked` below 1 is
+        returned as is for the caller's own check to name its field."""
+        limit = self.max_model_len if context is None else min(self.max_model_len, context)
+        if prompt_len >= limit:
+            what = "max_model_len is" if context is None else "the context is"
+            raise ContextTooLong(f"the prompt has {prompt_len} tokens; {what} {limit}", "prompt")
+        room = limit - prompt_len
+        if asked is None:
+            return room
+        if asked <= room or cap:
+            return min(asked, room)
+        raise ContextTooLong(f"prompt ({prompt_len} tokens) + max_tokens ({asked}) = {prompt_len + asked} exceeds "
+                             f"max_model_len ({limit})", "max_tokens")
+
+    def completion_params(self, body: CompletionRequest, prompt_len: int) -> SamplingParams:
+        return _openai_params(body, self.max_tokens(prompt_len, body.max_tokens), body.logprobs)
+
+    def chat_params(self, body: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return _openai_params(body, self.max_tokens(prompt_len, asked), logprobs)
+
+    def ollama_params(self, o: Options, prompt_len: int) -> SamplingParams:
+        """Ollama's options with Ollama's defaults; num_predict below 0 means "until the context is full"."""
+        if o.num_ctx is not None and o.num_ctx < 1:
+            raise InvalidRequest(f"options.num_ctx must be positive, got {o.num_ctx}", "options.num_ctx")
+        predict = o.num_predict
+        max_tokens = self.max_tokens(prompt_len, None if predict is None or predict < 0 else predict,
+                                     context=o.num_ctx, cap=True)
+        if max_tokens < 1:
+            raise InvalidRequest(f"options.num_predict must be -1 or positive, got {predict}", "options.num_predict")
+        return SamplingParams(
+            temperature=0.8 if o.temperature is None else o.temperature,
+            top_k=40 if o.top_k is None else o.top_k,
+            top_p=0.9 if o.top_p is None else o.top_p,
+            min_p=0.0 if o.min_p is None else o.min_p,
+            seed=o.seed,
+            max_tokens=max_tokens,
+            stop=tuple(o.stop or ()),
+            repetition_penalty=1.0 if o.repeat_penalty is None else o.repeat_penalty,
+            presence_penalty=o.presence_penalty or 0.0,
+            frequency_penalty=o.frequency_penalty or 0.0,
+        )
+
+    # -- running ------------------------------------------------------------------------------------
+
+    async def run(self, prompts: list[list[int]], params: list[SamplingParams],
+                  texts: Sequence[str | None] | None = None) -> AsyncGenerator[Indexed, None]:
+        """Merge the delta streams of several prompts: yields (prompt index, delta). Closing it early (a
+        client gone) closes every request's stream, which aborts it in the engine."""
+        texts = texts if texts is not None else [None] * len(prompts)
+        if len(prompts) == 1:  # the common case: no pump task, no second queue
+            async with aclosing(self.engine.generate(prompts[0], params[0], prompt=texts[0])) as gen:
+                async for out in gen:
+                    yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async with aclosing(self.engine.generate(prompts[i], params[i], prompt=texts[i])) as gen:
+                    async for out in gen:
+                        await queue.put((i, out))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put((i, e))
+                return
+            await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+        try:
+            remaining = len(prompts)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+
+def _openai_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    return SamplingParams(
+        n=body.n,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        seed=body.seed,
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        stop=tuple(stop),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+async def gather(stream: AsyncIterator[Indexed], n_prompts: int) -> list[RequestOutput]:
+    """Fold every prompt's deltas into its complete output (the non-streaming responses)."""
+    acc: dict[int, RequestOutput] = {}
+    async for i, delta in stream:
+        acc[i] = merge_delta(acc.get(i), delta)
+    return [acc[i] for i in range(n_prompts)]
+
+
+async def first(stream: AsyncIterator[Indexed]) -> Indexed | None:
+    """The stream's first item, awaited before the response starts: errors until then stay HTTP errors."""
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def chain(head: Indexed | None, stream: AsyncIterator[Indexed]) -> AsyncIterator[Indexed]:
+    """The stream again, with its already-awaited first item put back in front."""
+    if head is not None:
+        yield head
+    async for x in stream:
+        yield x
