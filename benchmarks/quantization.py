@@ -72,8 +72,7 @@ def main() -> None:
     for name, llm in llms.items():
         eng = llm.engine
         # Sequences of 2,048 tokens a 2 GiB KV budget holds, from the engine's own sizing rule.
-        spec = KVCacheSpec.for_model(eng.model_config, eng.config.block_size, eng.loaded.dtype,
-                                     eng.config.kv_cache_dtype == "int8", eng.config.kv_cache_scales == "head")
+        spec = KVCacheSpec.for_model(eng.model_config, eng.config.block_size, eng.loaded.dtype, eng.config.kv_format)
         conc = plan_capacity(spec, "2GiB", eng.device, 2048).max_concurrency
         ppl, n = perplexity(eng, ids, 1024, 512)
         ppl_decode, n_decode = perplexity(eng, ids[: a.decode_ppl_tokens], 1024, 512, chunk=1)

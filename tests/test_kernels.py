@@ -8,6 +8,7 @@ import torch
 from tokenloom.attention.base import AttentionMetadata
 from tokenloom.attention.paged_kv import LayerKVCache
 from tokenloom.attention.reference import ReferenceBackend
+from tokenloom.config import KVCacheFormat
 from tokenloom.kernels import load_cpu_kernels
 from tokenloom.models.layers import RMSNorm, apply_rope
 
@@ -126,8 +127,9 @@ def _cache(num_blocks: int, block: int, hkv: int, head_dim: int, dtype: torch.dt
     fixed = None
     if kind == "int8 per head":
         fixed = (torch.logspace(-1.7, 0, hkv), torch.logspace(0, -1.7, hkv))
-    return LayerKVCache.allocate(num_blocks, block, hkv, head_dim, dtype, kind != "model dtype", torch.device("cpu"),
-                                 fixed)
+    fmt = {"model dtype": KVCacheFormat.MODEL_DTYPE, "int8 per token": KVCacheFormat.INT8_PER_TOKEN,
+           "int8 per head": KVCacheFormat.INT8_PER_HEAD}[kind]
+    return LayerKVCache.allocate(num_blocks, block, hkv, head_dim, dtype, fmt, torch.device("cpu"), fixed)
 
 
 def test_per_head_scales_are_read_never_written() -> None:
@@ -139,14 +141,14 @@ def test_per_head_scales_are_read_never_written() -> None:
                     torch.arange(5))
     assert torch.equal(kv.k_scale[0, 0], before)
     assert kv.k[:1, :1, 0].abs().max() == 127  # 100x the range of head 0: saturated
-    mixed = LayerKVCache.allocate(8, 4, 3, 64, torch.float32, True, torch.device("cpu"))
+    mixed = LayerKVCache.allocate(8, 4, 3, 64, torch.float32, KVCacheFormat.INT8_PER_TOKEN, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="one kind"):
         K.write_kv_int8(torch.randn(1, 3, 64), torch.randn(1, 3, 64), kv.k, kv.v, kv.k_scale, mixed.v_scale,
                         torch.arange(1))
 
 
 def test_paged_decode_rejects_int8_cache_without_scales() -> None:
-    kv = LayerKVCache.allocate(4, 4, 2, 64, torch.float32, True, torch.device("cpu"))
+    kv = LayerKVCache.allocate(4, 4, 2, 64, torch.float32, KVCacheFormat.INT8_PER_TOKEN, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="scales go with an int8 cache"):
         K.paged_decode(torch.zeros(1, 2, 64), kv.k, kv.v, None, None, torch.zeros(1, 1, dtype=torch.long),
                        torch.ones(1, dtype=torch.long), 0.125, 0)

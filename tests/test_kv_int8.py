@@ -11,6 +11,7 @@ import torch
 from conftest import PROMPTS
 from tokenloom import LLM, SamplingParams
 from tokenloom.attention.paged_kv import LayerKVCache, dequantize_kv, quantize_kv
+from tokenloom.config import KVCacheFormat
 from tokenloom.engine.kv_cache import KVCacheSpec, plan_capacity
 from tokenloom.engine.kv_calibration import CALIBRATION_CHAT, HEADROOM, SEGMENT, calibration_prompts
 from tokenloom.errors import ConfigError
@@ -46,7 +47,8 @@ def test_fixed_scales_round_trip_within_half_a_step_and_saturate_beyond() -> Non
 def test_write_returns_what_the_cache_holds(per_head: bool) -> None:
     torch.manual_seed(1)
     fixed = (torch.tensor([0.02, 0.03]), torch.tensor([0.025, 0.02])) if per_head else None
-    kv = LayerKVCache.allocate(8, 4, 2, 16, torch.float32, True, torch.device("cpu"), fixed)
+    fmt = KVCacheFormat.INT8_PER_HEAD if per_head else KVCacheFormat.INT8_PER_TOKEN
+    kv = LayerKVCache.allocate(8, 4, 2, 16, torch.float32, fmt, torch.device("cpu"), fixed)
     assert kv.per_head_scales == per_head
     k, v = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
     slots = torch.tensor([3, 9, 10, 17, 30])
@@ -60,7 +62,8 @@ def test_write_returns_what_the_cache_holds(per_head: bool) -> None:
 
 def _smollm2_spec(quantized: bool, per_head: bool = True) -> KVCacheSpec:
     # SmolLM2-135M: 30 layers, 3 KV heads of 64 dims, bfloat16.
-    return KVCacheSpec(30, 3, 64, 16, torch.bfloat16, quantized, per_head)
+    return KVCacheSpec(30, 3, 64, 16, torch.bfloat16, KVCacheFormat.of("int8" if quantized else "auto",
+                                                                       "head" if per_head else "token"))
 
 
 def test_int8_doubles_the_blocks_and_sequences_for_a_fixed_budget() -> None:

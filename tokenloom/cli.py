@@ -6,70 +6,28 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from dataclasses import fields
+from typing import get_args
 
-from tokenloom.attention.base import BACKENDS
-from tokenloom.config import EngineConfig
+from tokenloom.bench.offline import add_offline_args, run_offline_bench
+from tokenloom.bench.perplexity import add_perplexity_args, run_perplexity
+from tokenloom.bench.serve import add_serve_args, run_bench_serve
+from tokenloom.config import EngineConfig, GgufWeights, Role
+from tokenloom.engine.async_engine import AsyncLLMEngine
+from tokenloom.engine.engine import LLMEngine, freeze_gc
+from tokenloom.engine_args import add_engine_args, engine_config
 from tokenloom.errors import ConfigError, TokenloomError
+from tokenloom.llm import LLM
+from tokenloom.quant.write_checkpoint import quantize_checkpoint
+from tokenloom.router.cli import add_cluster_parser, add_router_parser
+from tokenloom.sampling_params import SamplingParams
+from tokenloom.serve.app import build_app
+from tokenloom.serve.metrics import ServingMetrics
+from tokenloom.serve.server import run_app
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Every EngineConfig field as a --flag of the same name (underscores become dashes)."""
-    d = EngineConfig()
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV budget: bytes (2GiB, 512MB) or fraction of free memory (0.3)")
-    g.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens per sequence")
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="max sequences per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="token budget per step")
-    g.add_argument("--attention-backend", default=d.attention_backend, choices=list(BACKENDS),
-                   help="auto: C++ paged kernel on CPU (sdpa if it cannot build), sdpa on CUDA")
-    g.add_argument("--fused-decode", default=d.fused_decode, action=argparse.BooleanOptionalAction,
-                   help="cpu backend: run a pure decode step's layers in one C++ call (same results as the "
-                        "layer-by-layer Python path, which --no-fused-decode forces)")
-    g.add_argument("--prepack-weights", default=d.prepack_weights, action=argparse.BooleanOptionalAction,
-                   help="cpu, bfloat16: keep a oneDNN-blocked copy of each dense linear weight for matmuls of 2-256 "
-                        "rows (batched decode, verification: AMX where the CPU has it); a second copy of those weights")
-    g.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="weight-only quantization of the decoder's linear layers at load (CPU, bfloat16)")
-    g.add_argument("--quant-group-size", type=int, default=d.quant_group_size, help="int4 group size")
-    g.add_argument("--gguf-weights", default=d.gguf_weights, choices=["keep", "dequantize"],
-                   help="keep: a GGUF's Q8_0/Q4_0/Q4_1 linear weights run quantized (bfloat16 on CPU); "
-                        "dequantize: expand them to --dtype at load")
-    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "int8"],
-                   help="auto: the model's dtype; int8: int8 codes with float16 scales (see --kv-cache-scales)")
-    g.add_argument("--kv-cache-scales", default=d.kv_cache_scales, choices=["head", "token"],
-                   help="int8 KV scales. head: one per layer and head, calibrated at start-up (exactly 2x the tokens "
-                        "of a 16-bit cache; values beyond the calibrated range saturate); token: one per token and "
-                        "head, stored with the codes (never saturates; 1.94x the tokens at head size 64)")
-    g.add_argument("--prefix-caching", dest="enable_prefix_caching", default=d.enable_prefix_caching,
-                   action=argparse.BooleanOptionalAction,
-                   help="reuse the K/V of full blocks across requests with a common prefix (on by default)")
-    g.add_argument("--seed", type=int, default=d.seed, help="sampler seed for requests without their own")
-    s = p.add_argument_group("speculative decoding")
-    s.add_argument("--speculative", default=None, choices=["ngram", "draft", "self"],
-                   help="ngram: prompt lookup; draft: a small model (--draft-model); self: the target's first "
-                        "--draft-layers layers")
-    s.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
-                   help="draft tokens verified per step")
-    s.add_argument("--draft-model", default=None, help="HF folder or .gguf of a draft sharing the tokenizer")
-    s.add_argument("--draft-layers", type=int, default=None, help="self-draft: layers of the target to use")
-    s.add_argument("--prompt-lookup-max", type=int, default=d.prompt_lookup_max, help="ngram: longest n-gram")
-    s.add_argument("--prompt-lookup-min", type=int, default=d.prompt_lookup_min, help="ngram: shortest n-gram")
-    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+__all__ = ["add_engine_args", "build_parser", "engine_config", "main"]
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tokenloom.llm import LLM
-    from tokenloom.sampling_params import SamplingParams
-
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -78,7 +36,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         stop=tuple(args.stop or ()),
     )
-    llm = LLM(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+    llm = LLM(**engine_config(args).__dict__)
     print(llm.engine.capacity.describe(), file=sys.stderr)
     if args.raw:
         stream = llm.stream(args.prompt, params)
@@ -95,12 +53,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tokenloom.engine.async_engine import AsyncLLMEngine
-    from tokenloom.engine.engine import freeze_gc
-    from tokenloom.serve.app import build_app
-    from tokenloom.serve.metrics import ServingMetrics
-    from tokenloom.serve.server import run_app
-
     config = engine_config(args)
     if args.role != "both" and not config.enable_prefix_caching:
         raise ConfigError(f"--role {args.role} hands KV blocks over through the prefix cache: drop --no-prefix-caching")
@@ -116,7 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.getLogger("tokenloom.access").setLevel(logging.INFO)  # one JSON line per request, on stderr
     receiver = None
     if args.role == "decode":
-        from tokenloom.disagg.transfer import KVReceiver
+        from tokenloom.disagg.transfer import KVReceiver  # ZeroMQ: loaded by decode workers only
 
         receiver = KVReceiver(engine, args.kv_host or args.host, args.kv_port).start()
         print(f"KV receiver on {receiver.address}", file=sys.stderr)
@@ -131,34 +83,25 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench_offline(args: argparse.Namespace) -> int:
-    from tokenloom.bench.offline import run_offline_bench
-
     return run_offline_bench(args)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from tokenloom.bench.serve import run_bench_serve
-
     return run_bench_serve(args)
 
 
 def _eval_perplexity(args: argparse.Namespace) -> int:
-    from tokenloom.bench.perplexity import run_perplexity
-    from tokenloom.engine.engine import LLMEngine
-
     return run_perplexity(args, LLMEngine(engine_config(args)))
 
 
 def _quantize(args: argparse.Namespace) -> int:
-    from tokenloom.quant.checkpoint import quantize_checkpoint
-
     n = quantize_checkpoint(args.model, args.out, args.quantization, args.quant_group_size, args.gguf_weights)
     print(f"wrote {args.out}: {n} quantized linear layers ({args.quantization})")
     return 0
 
 
 def _bench_compare(args: argparse.Namespace) -> int:
-    from tokenloom.bench.report import compare
+    from tokenloom.bench.report import compare  # matplotlib: loaded only for the plots
 
     missing = [str(r) for r in args.runs if not (r / "summary.json").is_file()]
     if missing:
@@ -195,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-waiting", type=int, default=256, help="requests allowed to queue; more get 429")
     srv.add_argument("--graceful-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
-    srv.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+    srv.add_argument("--role", default="both", choices=get_args(Role),
                      help="disaggregated serving: prefill workers compute prompts and ship their KV blocks to "
                           "decode workers (the router pairs them); both: a whole server")
     srv.add_argument("--kv-host", default=None, help="decode role: address the KV receiver binds (default --host)")
@@ -207,13 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     off = bsub.add_parser("offline", help="engine vs transformers: decode, batch throughput, prefill")
-    from tokenloom.bench.offline import add_offline_args
-
     add_offline_args(off)
     off.set_defaults(func=_bench_offline)
     sv = bsub.add_parser("serve", help="load-test a running server (tokenloom, vLLM, llama.cpp, Ollama, ...)")
-    from tokenloom.bench.serve import add_serve_args
-
     add_serve_args(sv)
     sv.set_defaults(func=_bench_serve)
     cmp_ = bsub.add_parser("compare", help="several `bench serve` results folders side by side")
@@ -226,20 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--out", type=Path, required=True, help="output folder")
     qz.add_argument("--quantization", required=True, help="int8 (per output channel) or int4 (group-wise)")
     qz.add_argument("--quant-group-size", type=int, default=EngineConfig().quant_group_size, help="int4 group size")
-    qz.add_argument("--gguf-weights", default=EngineConfig().gguf_weights, choices=["keep", "dequantize"],
+    qz.add_argument("--gguf-weights", default=EngineConfig().gguf_weights, choices=get_args(GgufWeights),
                     help="a GGUF's Q8_0/Q4_0/Q4_1 layers: kept as they are, or dequantized and re-quantized")
     qz.set_defaults(func=_quantize)
 
     ev = sub.add_parser("eval", help="quality checks")
     esub = ev.add_subparsers(dest="eval_command", required=True)
     ppl = esub.add_parser("perplexity", help="sliding-window perplexity over real text")
-    from tokenloom.bench.perplexity import add_perplexity_args
-
     add_perplexity_args(ppl)
     add_engine_args(ppl)
     ppl.set_defaults(func=_eval_perplexity)
-
-    from tokenloom.router.cli import add_cluster_parser, add_router_parser
 
     add_router_parser(sub)
     add_cluster_parser(sub)

@@ -2,45 +2,112 @@
 
 from __future__ import annotations
 
+import enum
+import functools
 import re
-from dataclasses import dataclass
+import types
+from dataclasses import dataclass, fields
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from tokenloom.errors import ConfigError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
 
+# The option vocabularies, each written once: EngineConfig's field types, the CLI's choices
+# (engine_args.py), the validation below and the backends, caches and servers all take them from here
+# (`typing.get_args` lists a vocabulary's values). Values stay plain strings: LLM(quantization="int8").
+DType = Literal["auto", "float32", "bfloat16", "float16"]  # auto: bfloat16 unless the checkpoint is float32
+AttentionBackendName = Literal["auto", "cpu", "sdpa", "reference"]  # attention/registry.py
+Quantization = Literal["int8", "int4"]  # weight-only: per output channel | group-wise
+GgufWeights = Literal["keep", "dequantize"]  # a GGUF's Q8_0/Q4_0/Q4_1 linear weights
+KVCacheDtype = Literal["auto", "int8"]  # auto: the model's dtype
+KVCacheScales = Literal["head", "token"]  # int8 KV: one scale per layer and head | per token and head
+SpeculativeMethod = Literal["ngram", "draft", "self"]
+Role = Literal["both", "prefill", "decode"]  # `serve --role`: disaggregated prefill / decode workers
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # --quant-group-size: inputs per int4 scale (quant/quantizers.py)
 
-SPECULATIVE_METHODS = (None, "ngram", "draft", "self")
-KV_CACHE_SCALES = ("head", "token")
+
+class KVCacheFormat(enum.Enum):
+    """How the KV cache stores each token's K and V: derived once from --kv-cache-dtype and
+    --kv-cache-scales (`EngineConfig.kv_format`), carried by the cache spec (engine/kv_cache.py, which
+    also sizes it), each layer's cache (attention/paged_kv.py), the CPU kernels' choice of path and the
+    KV transfer layout (disagg/blocks.py). The value is the name capacity reports print."""
+
+    MODEL_DTYPE = "model dtype"  # K/V in the model's dtype
+    INT8_PER_HEAD = "int8, per-head scales"  # int8 codes; one fixed float16 scale per layer and head
+    INT8_PER_TOKEN = "int8, per-token scales"  # int8 codes; a float16 scale per token and head beside them
+
+    @classmethod
+    def of(cls, kv_cache_dtype: KVCacheDtype, kv_cache_scales: KVCacheScales) -> KVCacheFormat:
+        if kv_cache_dtype == "auto":
+            return cls.MODEL_DTYPE
+        return cls.INT8_PER_HEAD if kv_cache_scales == "head" else cls.INT8_PER_TOKEN
+
+    @property
+    def quantized(self) -> bool:
+        """INT8 codes with float16 scales."""
+        return self is not KVCacheFormat.MODEL_DTYPE
+
+    @property
+    def per_head_scales(self) -> bool:
+        """INT8 with fixed per-head scales: nothing but codes is stored per token."""
+        return self is KVCacheFormat.INT8_PER_HEAD
+
+    @property
+    def per_token_scales(self) -> bool:
+        """INT8 with a scale stored per token and head, beside the codes."""
+        return self is KVCacheFormat.INT8_PER_TOKEN
+
+
+def vocabulary(hint: Any) -> tuple[tuple[Any, ...], bool] | None:
+    """(the values, whether None is allowed too) of a Literal type or an optional one; None for any
+    other type."""
+    optional = False
+    if get_origin(hint) in (Union, types.UnionType):
+        args = get_args(hint)
+        optional = type(None) in args
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) != 1:
+            return None
+        hint = rest[0]
+    if get_origin(hint) is not Literal:
+        return None
+    return get_args(hint), optional
+
+
+def one_of(values: tuple[Any, ...]) -> str:
+    """'a or b', 'one of a, b, c': the choices in a message."""
+    names = [str(v) for v in values]
+    return " or ".join(names) if len(names) == 2 else f"one of {', '.join(names)}"
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF folder or .gguf file; None = embedded SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    dtype: DType = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     block_size: int = 16  # tokens per KV block
     kv_cache_memory: str = "2GiB"  # bytes ("2GiB", "512MB", "1000000") or a fraction of free memory ("0.3")
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     max_num_seqs: int = 128  # sequences in one step
     max_num_batched_tokens: int = 512  # tokens in one step: decodes + prefill chunks
-    attention_backend: str = "auto"  # auto | cpu | sdpa | reference
+    attention_backend: AttentionBackendName = "auto"
     fused_decode: bool = True  # CPU backend: a pure decode step runs the layer stack in one C++ call
     # CPU, bfloat16: also hold each dense linear weight in oneDNN's blocked layout, for matmuls of 2-256
     # rows (batched decode, verification); costs a second copy of those weights.
     prepack_weights: bool = True
-    quantization: str | None = None  # None | "int8" (per channel) | "int4" (group-wise): weight-only
+    quantization: Quantization | None = None  # None: full-precision weights
     quant_group_size: int = 128  # int4 group size (a smaller supported one where it does not divide a layer)
-    gguf_weights: str = "keep"  # keep | dequantize: GGUF Q8_0/Q4_0/Q4_1 linear weights stay quantized (bf16, CPU)
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (codes and float16 scales)
+    gguf_weights: GgufWeights = "keep"  # keep: GGUF Q8_0/Q4_0/Q4_1 linear weights stay quantized (bf16, CPU)
+    kv_cache_dtype: KVCacheDtype = "auto"  # int8: codes and float16 scales
     # int8 scales: head (one per layer and head, calibrated at start-up: 2x the tokens of 16 bits) |
     # token (one per token and head, stored with the codes: nothing saturates, 1.94x at head_dim 64)
-    kv_cache_scales: str = "head"
+    kv_cache_scales: KVCacheScales = "head"
     enable_prefix_caching: bool = True  # share the K/V of full blocks between requests with a common prefix
     # Speculative decoding: None | "ngram" (prompt lookup) | "draft" (--draft-model) | "self" (first
     # --draft-layers layers of the target). k = num_speculative_tokens drafts verified per step.
-    speculative: str | None = None
+    speculative: SpeculativeMethod | None = None
     num_speculative_tokens: int = 4
     draft_model: str | None = None
     draft_layers: int | None = None
@@ -64,22 +131,15 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"--num-threads must be >= 1, got {self.num_threads!r}")
         parse_memory(self.kv_cache_memory)  # validates early
+        for name, (values, optional) in _vocabularies().items():
+            value = getattr(self, name)
+            if value not in values and not (optional and value is None):
+                raise ConfigError(f"--{name.replace('_', '-')} must be {one_of(values)}, got {value!r}")
         self._check_speculative()
-        if self.quantization not in (None, "int8", "int4"):
-            raise ConfigError(f"--quantization must be int8 or int4, got {self.quantization!r}")
-        if self.kv_cache_dtype not in ("auto", "int8"):
-            raise ConfigError(f"--kv-cache-dtype must be auto or int8, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_scales not in KV_CACHE_SCALES:
-            raise ConfigError(f"--kv-cache-scales must be head or token, got {self.kv_cache_scales!r}")
-        if self.gguf_weights not in ("keep", "dequantize"):
-            raise ConfigError(f"--gguf-weights must be keep or dequantize, got {self.gguf_weights!r}")
-        if self.quant_group_size not in (32, 64, 128, 256):
-            raise ConfigError(f"--quant-group-size must be 32, 64, 128 or 256, got {self.quant_group_size!r}")
+        if self.quant_group_size not in INT4_GROUP_SIZES:
+            raise ConfigError(f"--quant-group-size must be {one_of(INT4_GROUP_SIZES)}, got {self.quant_group_size!r}")
 
     def _check_speculative(self) -> None:
-        if self.speculative not in SPECULATIVE_METHODS:
-            raise ConfigError(f"--speculative must be one of {', '.join(m for m in SPECULATIVE_METHODS if m)}, "
-                              f"got {self.speculative!r}")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError(f"--num-speculative-tokens must be in [1, 16], got {self.num_speculative_tokens!r}")
         if (self.speculative == "draft") != (self.draft_model is not None):
@@ -91,6 +151,19 @@ class EngineConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(f"need 1 <= --prompt-lookup-min ({self.prompt_lookup_min}) <= --prompt-lookup-max "
                               f"({self.prompt_lookup_max})")
+
+    @property
+    def kv_format(self) -> KVCacheFormat:
+        """The KV cache's storage format, from kv_cache_dtype and kv_cache_scales."""
+        return KVCacheFormat.of(self.kv_cache_dtype, self.kv_cache_scales)
+
+
+@functools.cache
+def _vocabularies() -> dict[str, tuple[tuple[Any, ...], bool]]:
+    """EngineConfig's fields typed with a vocabulary: {name: (values, None allowed)}."""
+    hints = get_type_hints(EngineConfig)
+    found = {f.name: vocabulary(hints[f.name]) for f in fields(EngineConfig)}
+    return {name: v for name, v in found.items() if v is not None}
 
 
 def parse_memory(spec: str | int | float) -> tuple[int | None, float | None]:

@@ -1,6 +1,7 @@
 """The attention backend interface: paged K/V written by slot, read through block tables.
 
-The per-layer cache (model dtype or INT8) and its layout are in `paged_kv.LayerKVCache`.
+The per-layer cache (model dtype or INT8) and its layout are in `paged_kv.LayerKVCache`; the backends
+by name (--attention-backend) in `registry.py`.
 """
 
 from __future__ import annotations
@@ -54,27 +55,3 @@ class AttentionBackend(ABC):
         sliding_window: int | None,
     ) -> torch.Tensor:  # (T, Hq, D)
         """Write k/v into the cache at meta.slot_mapping, then attend over what the cache holds."""
-
-
-BACKENDS = ("auto", "cpu", "sdpa", "reference")
-
-
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """auto: the C++ kernel backend on CPU when it builds, else (and on CUDA) torch SDPA."""
-    from tokenloom.attention.cpu import CPUBackend
-    from tokenloom.kernels import load_cpu_kernels
-    from tokenloom.attention.reference import ReferenceBackend
-    from tokenloom.attention.sdpa import SDPABackend
-    from tokenloom.errors import ConfigError
-
-    if name not in BACKENDS:
-        raise ConfigError(f"unknown attention backend {name!r}; choose from {', '.join(BACKENDS)}")
-    if name == "reference":
-        return ReferenceBackend()
-    if name in ("auto", "cpu") and device.type == "cpu":
-        kernels = load_cpu_kernels()
-        if kernels is not None:
-            return CPUBackend(kernels)
-        if name == "cpu":
-            raise ConfigError("--attention-backend cpu: the C++ kernels could not be built (see the log)")
-    return SDPABackend()

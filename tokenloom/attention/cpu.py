@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 
 from tokenloom.attention.paged_kv import LayerKVCache
-from tokenloom.attention.sdpa import SDPABackend, _Plan
+from tokenloom.attention.sdpa import DecodePlan, SDPABackend
 
 
 class CPUBackend(SDPABackend):
@@ -29,13 +29,13 @@ class CPUBackend(SDPABackend):
         # Same values as LayerKVCache.write (the oracle, tests/test_kv_int8.py), without its ~10 torch
         # ops per layer and step: an INT8 cache cost single-stream decode a quarter of its speed.
         k, v = k.contiguous(), v.contiguous()
-        if kv.k_scale is not None and kv.v_scale is not None:
+        if kv.format.quantized:  # per-head or per-token scales: the kernel tells them by their strides
             return self.kernels.write_kv_int8(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, slot_mapping)
         self.kernels.write_kv(k.to(kv.k.dtype), v.to(kv.v.dtype), kv.k, kv.v, slot_mapping)
         return k, v
 
     def decode(
-        self, q: torch.Tensor, kv: LayerKVCache, plan: _Plan, scale: float, sliding_window: int | None,
+        self, q: torch.Tensor, kv: LayerKVCache, plan: DecodePlan, scale: float, sliding_window: int | None,
     ) -> torch.Tensor:
         if q.device.type != "cpu":
             return super().decode(q, kv, plan, scale, sliding_window)

@@ -4,17 +4,19 @@ Layout: k and v are (num_blocks, block_size, num_kv_heads, head_dim). Token t of
 block `block_table[t // block_size]` at offset `t % block_size`, i.e. at flat slot
 `block * block_size + offset` of the cache viewed as (num_blocks * block_size, heads, dim).
 
-INT8 (`--kv-cache-dtype int8`): k and v hold int8 codes, value ~= code * scale, with symmetric float16
-scales per head, because heads differ in range by an order of magnitude. k_scale / v_scale are always
-(num_blocks, block_size, num_kv_heads) tensors, in one of two kinds (`--kv-cache-scales`):
-- "head" (default): one fixed scale per layer and head, calibrated once when the engine starts
-  (engine/kv_calibration.py). The tensors are views of an (Hkv,) vector with zero block and token
+Which of the three a cache holds is its `format` (config.KVCacheFormat, from --kv-cache-dtype and
+--kv-cache-scales). INT8 (`--kv-cache-dtype int8`): k and v hold int8 codes, value ~= code * scale, with
+symmetric float16 scales per head, because heads differ in range by an order of magnitude. k_scale /
+v_scale are always (num_blocks, block_size, num_kv_heads) tensors, in one of two kinds (`--kv-cache-scales`):
+- "head" (default; INT8_PER_HEAD): one fixed scale per layer and head, calibrated once when the engine
+  starts (engine/kv_calibration.py). The tensors are views of an (Hkv,) vector with zero block and token
   strides, so a token of one head costs exactly head_dim bytes: twice the tokens of a 16-bit cache.
   Values beyond the calibrated range saturate at +-127 codes.
-- "token": one scale per token and head, scale = max|x| / 127 over the head's dimensions, stored
-  beside the codes (a block fills one token at a time, so a block-wide scale would have to change as
-  later tokens arrive). Nothing saturates, and a token of one head costs head_dim + 2 bytes: 1.94x
-  the tokens for head_dim 64, 1.97x for 128.
+- "token" (INT8_PER_TOKEN): one scale per token and head, scale = max|x| / 127 over the head's
+  dimensions, stored beside the codes (a block fills one token at a time, so a block-wide scale would
+  have to change as later tokens arrive). Nothing saturates, and a token of one head costs head_dim + 2
+  bytes: 1.94x the tokens for head_dim 64, 1.97x for 128. (engine/kv_cache.py `KVCacheSpec` counts the
+  bytes of every format.)
 Attention always reads what the cache holds: `write` returns the dequantized K/V of the new tokens,
 so a prompt attends to the same values whether it is prefilled in one chunk or many.
 """
@@ -25,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloom.config import KVCacheFormat
 from tokenloom.errors import ConfigError
 
-KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 SCALE_DTYPE = torch.float16
 _MIN_SCALE = 2.0**-24  # float16's smallest subnormal: an all-zero head gets codes 0, not 0/0
 
@@ -57,19 +59,30 @@ def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
 class LayerKVCache:
     k: torch.Tensor  # (num_blocks, block_size, Hkv, D): model dtype, or int8 codes
     v: torch.Tensor
+    format: KVCacheFormat
     # INT8: (num_blocks, block_size, Hkv) float16, per token (contiguous) or per head (an (Hkv,) vector
     # seen with zero block and token strides); None for a model-dtype cache.
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        for s in (self.k_scale, self.v_scale):
+            fixed = s is not None and s.stride(1) == 0  # an (Hkv,) vector seen per block and token
+            if (s is not None) != self.format.quantized or fixed != self.format.per_head_scales:
+                raise ConfigError(f"a KV cache of format {self.format.value!r} has scales that do not match it")
+
     @classmethod
     def allocate(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 quantized: bool, device: torch.device,
+                 format: KVCacheFormat, device: torch.device,
                  fixed_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> "LayerKVCache":
-        """`fixed_scales`: the layer's calibrated (Hkv,) K and V scales for a per-head INT8 cache."""
+        """`fixed_scales`: the layer's calibrated (Hkv,) K and V scales, for (and only for) INT8_PER_HEAD."""
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        if not quantized:
-            return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        if (fixed_scales is not None) != format.per_head_scales:
+            raise ConfigError(f"calibrated per-head KV scales go with per-head INT8 and nothing else, not with "
+                              f"{format.value!r}")
+        if not format.quantized:
+            return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                       format)
         codes = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(2)]
         if fixed_scales is None:
             scales = [torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device) for _ in range(2)]
@@ -78,16 +91,16 @@ class LayerKVCache:
                 if s.shape != (num_kv_heads,):
                     raise ConfigError(f"per-head KV scales must be ({num_kv_heads},), got {tuple(s.shape)}")
             scales = [s.to(device=device, dtype=SCALE_DTYPE).expand(shape[:3]) for s in fixed_scales]
-        return cls(codes[0], codes[1], scales[0], scales[1])
+        return cls(codes[0], codes[1], format, scales[0], scales[1])
 
     @property
     def quantized(self) -> bool:
-        return self.k_scale is not None
+        return self.format.quantized
 
     @property
     def per_head_scales(self) -> bool:
         """INT8 with fixed per-head scales: nothing but codes is stored per token."""
-        return self.k_scale is not None and self.k_scale.stride(1) == 0
+        return self.format.per_head_scales
 
     @property
     def block_size(self) -> int:

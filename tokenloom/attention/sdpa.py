@@ -31,7 +31,10 @@ class _Prefill:
 
 
 @dataclass
-class _Plan:
+class DecodePlan:
+    """What `SDPABackend.plan` works out once per step for all layers: the decode rows' gather
+    indices and the prefill chunks (CPUBackend and the fused decode stack read it too)."""
+
     decode_tokens: torch.Tensor | None  # (B,) token index of each decode row
     decode_blocks: torch.Tensor | None  # (B, max_blocks) the block table of each decode row's sequence
     decode_mask: torch.Tensor | None  # (B, 1, 1, max_blocks * block_size) bool; built on first use
@@ -43,7 +46,7 @@ class _Plan:
 class SDPABackend(AttentionBackend):
     name = "sdpa"
 
-    def plan(self, meta: AttentionMetadata, device: torch.device, sliding_window: int | None) -> _Plan:
+    def plan(self, meta: AttentionMetadata, device: torch.device, sliding_window: int | None) -> DecodePlan:
         bs = meta.block_size
         dec_tokens: list[int] = []
         dec_seqs: list[int] = []
@@ -69,11 +72,11 @@ class SDPABackend(AttentionBackend):
             blocks = meta.block_tables[i, : (ctx + bs - 1) // bs]
             prefills.append(_Prefill(start, end, ctx, blocks if ctx > q_len else None, mask))
         if not dec_tokens:
-            return _Plan(None, None, None, None, False, prefills)
+            return DecodePlan(None, None, None, None, False, prefills)
         rows = torch.tensor(dec_seqs, device=device)
         max_blocks = (max(lens) + bs - 1) // bs
         tokens = torch.tensor(dec_tokens, device=device)
-        return _Plan(
+        return DecodePlan(
             decode_tokens=tokens,
             decode_blocks=meta.block_tables[rows, :max_blocks],
             decode_mask=None,
@@ -93,7 +96,7 @@ class SDPABackend(AttentionBackend):
         sliding_window: int | None,
     ) -> torch.Tensor:
         k, v = self.write_kv(kv, k, v, meta.slot_mapping)  # as the cache holds them (INT8 round trip)
-        plan: _Plan = meta.plan
+        plan: DecodePlan = meta.plan
         if plan is None:
             plan = meta.plan = self.plan(meta, q.device, sliding_window)
         group = q.shape[1] // kv.num_kv_heads
@@ -124,7 +127,7 @@ class SDPABackend(AttentionBackend):
         return kv.write(k, v, slot_mapping)
 
     def decode(
-        self, q: torch.Tensor, kv: LayerKVCache, plan: _Plan, scale: float, sliding_window: int | None,
+        self, q: torch.Tensor, kv: LayerKVCache, plan: DecodePlan, scale: float, sliding_window: int | None,
     ) -> torch.Tensor:
         """One query per sequence, q (B, Hq, D) -> (B, Hq, D), over gathered, padded, masked contexts."""
         batch, num_heads, head_dim = q.shape

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tokenloom.cli import add_engine_args, engine_config
+from tokenloom.engine_args import add_engine_args, engine_config
 
 if TYPE_CHECKING:  # the engine is imported when a benchmark runs, not when the CLI builds its parser
     from tokenloom.llm import LLM

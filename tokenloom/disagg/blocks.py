@@ -17,8 +17,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tokenloom.attention.paged_kv import LayerKVCache
+from tokenloom.config import KVCacheFormat
 from tokenloom.engine.block_pool import NO_PARENT
 from tokenloom.engine.engine import LLMEngine
+from tokenloom.engine.kv_cache import KVCacheSpec
 from tokenloom.engine.kv_calibration import scales_digest
 from tokenloom.errors import TokenloomError
 
@@ -44,26 +46,38 @@ class KVLayout:
     @classmethod
     def of(cls, engine: LLMEngine) -> "KVLayout":
         caches = engine.runner.kv_caches
-        k = caches[0].k
+        k, fmt = caches[0].k, caches[0].format
         scales = ""
-        if caches[0].quantized:
-            scales = f"head:{scales_digest(caches)}" if caches[0].per_head_scales else "token"
+        if fmt.per_head_scales:
+            scales = f"head:{scales_digest(caches)}"
+        elif fmt.per_token_scales:
+            scales = "token"
         return cls(engine.model_name, len(caches), k.shape[2], k.shape[3], k.shape[1],
-                   "int8" if caches[0].quantized else str(k.dtype).removeprefix("torch."), scales)
+                   str(k.dtype).removeprefix("torch."), scales)
+
+    @property
+    def format(self) -> KVCacheFormat:
+        if self.kv_scales == "token":
+            return KVCacheFormat.INT8_PER_TOKEN
+        if self.kv_scales.startswith("head:"):
+            return KVCacheFormat.INT8_PER_HEAD
+        return KVCacheFormat.MODEL_DTYPE
+
+    @property
+    def spec(self) -> KVCacheSpec:
+        """The cache this layout describes. An INT8 layout leaves out the model's dtype (any reads the same
+        codes): its spec's dtype is int8 then, which no byte count depends on."""
+        dtype = getattr(torch, self.cache_dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise KVTransferError(f"unknown KV cache dtype {self.cache_dtype!r}")
+        return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, dtype, self.format)
 
     @property
     def block_nbytes(self) -> int:
-        per_head_token = self.head_dim * (1 if self.cache_dtype == "int8" else _itemsize(self.cache_dtype))
-        if self.kv_scales == "token":
-            per_head_token += 2  # the float16 scale
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * per_head_token
+        return self.spec.bytes_per_block
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
-
-
-def _itemsize(name: str) -> int:
-    return getattr(torch, name).itemsize
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ Reply (decode worker -> prefill worker): one UTF-8 JSON frame,
 Checks on arrival (`decode_request`), before a byte reaches the cache: the magic; one frame per block;
 each frame's length and SHA-256 against the header; each block's hash recomputed from its parent's hash
 and its tokens (the prefix cache's chained hash: the bytes are filed under the tokens they belong to);
-the chain unbroken from the first block; block size and bytes per block against the layout. The
+the chain unbroken from the first block; block size and bytes per block against the layout (counted as
+the cache is sized: `KVLayout.spec`, an engine/kv_cache.py `KVCacheSpec`). The
 receiver also checks the layout against its own cache (`blocks.import_prefix`).
 """
 

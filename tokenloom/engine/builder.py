@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenloom.attention.base import AttentionBackend, get_backend
+from tokenloom.attention.base import AttentionBackend
 from tokenloom.attention.cpu import CPUBackend
+from tokenloom.attention.registry import get_backend
 from tokenloom.config import EngineConfig
 from tokenloom.engine.fused_decode import build_fused_decoder
 from tokenloom.engine.kv_cache import KVCacheSpec, KVCapacity, allocate_kv_cache, free_memory_bytes, plan_capacity
@@ -77,17 +78,16 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             f"{mcfg.max_position_embeddings}"
         )
     draft = _load_draft(config, loaded, device, backend, max_model_len)
-    int8_kv = config.kv_cache_dtype == "int8"
-    per_head = config.kv_cache_scales == "head"
-    spec = KVCacheSpec.for_model(mcfg, config.block_size, loaded.dtype, int8_kv, per_head)
-    draft_spec = (KVCacheSpec.for_model(draft.config, config.block_size, draft.dtype, int8_kv, per_head)
+    kv_format = config.kv_format
+    spec = KVCacheSpec.for_model(mcfg, config.block_size, loaded.dtype, kv_format)
+    draft_spec = (KVCacheSpec.for_model(draft.config, config.block_size, draft.dtype, kv_format)
                   if draft is not None else None)
     capacity = plan_capacity(spec, config.kv_cache_memory, device, max_model_len,
                              draft_spec.bytes_per_block if draft_spec else 0)
     kv = KVCacheManager(capacity.num_blocks, config.block_size, config.enable_prefix_caching)
 
     def scales(model: LlamaForCausalLM) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        return _calibrate(config, loaded, model, backend, device) if int8_kv and per_head else None
+        return _calibrate(config, loaded, model, backend, device) if kv_format.per_head_scales else None
 
     kv_tensors = allocate_kv_cache(spec, capacity.num_blocks, device, scales(loaded.model))
     fused = (build_fused_decoder(backend.kernels, loaded.model, kv_tensors, device)

@@ -18,7 +18,7 @@ import torch
 
 from tokenloom.attention.base import AttentionMetadata
 from tokenloom.attention.paged_kv import LayerKVCache
-from tokenloom.attention.sdpa import _Plan
+from tokenloom.attention.sdpa import DecodePlan
 from tokenloom.models.layers import Linear
 from tokenloom.models.llama import LlamaForCausalLM
 from tokenloom.quant.linear import QuantLinear
@@ -58,7 +58,7 @@ class FusedDecoder:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """(T,) tokens of an all-decode step -> (T, hidden) final hidden states, as model(...) returns."""
-        plan: _Plan = meta.plan
+        plan: DecodePlan = meta.plan
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary.lookup(positions, x.dtype)  # (T, 1, D) each
         t = x.shape[0]

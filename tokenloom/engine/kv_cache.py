@@ -8,41 +8,46 @@ import psutil
 import torch
 
 from tokenloom.attention.paged_kv import SCALE_DTYPE, LayerKVCache
-from tokenloom.config import parse_memory
+from tokenloom.config import KVCacheFormat, parse_memory
 from tokenloom.errors import ConfigError
 from tokenloom.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
 class KVCacheSpec:
+    """The shape and format of a model's KV cache: what sizing (here), allocation and KV transfers
+    (disagg/blocks.py `KVLayout.spec`) agree on. The bytes a token and a block take are counted here only."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype  # the model's dtype: what attention computes in
-    quantized: bool = False  # INT8 codes with float16 scales (--kv-cache-dtype int8)
-    per_head_scales: bool = True  # INT8: one fixed scale per layer and head, else one per token and head
+    dtype: torch.dtype  # the model's dtype: what attention computes in, and what a MODEL_DTYPE cache stores
+    format: KVCacheFormat = KVCacheFormat.MODEL_DTYPE
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype, quantized: bool = False,
-                  per_head_scales: bool = True) -> "KVCacheSpec":
-        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype, quantized,
-                   per_head_scales)
+    def for_model(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype,
+                  format: KVCacheFormat = KVCacheFormat.MODEL_DTYPE) -> "KVCacheSpec":
+        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype, format)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """What each K/V value is stored as."""
+        return torch.int8 if self.format.quantized else self.dtype
 
     @property
     def cache_dtype_name(self) -> str:
-        if self.quantized:
-            return "int8, per-head scales" if self.per_head_scales else "int8, per-token scales"
+        if self.format.quantized:
+            return self.format.value  # "int8, per-head scales" | "int8, per-token scales"
         return str(self.dtype).removeprefix("torch.")
 
     @property
     def bytes_per_token(self) -> int:
         # K and V, every layer: head_dim values per head, plus the head's scale when quantized per token
         # (per-head scales are a few bytes per layer, not per token).
-        if self.quantized:
-            per_head = self.head_dim + (0 if self.per_head_scales else SCALE_DTYPE.itemsize)
-        else:
-            per_head = self.head_dim * self.dtype.itemsize
+        per_head = self.head_dim * self.cache_dtype.itemsize
+        if self.format.per_token_scales:
+            per_head += SCALE_DTYPE.itemsize
         return 2 * self.num_layers * self.num_kv_heads * per_head
 
     @property
@@ -108,11 +113,11 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device,
                       fixed_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> list[LayerKVCache]:
     """One LayerKVCache per layer, (num_blocks, block_size, num_kv_heads, head_dim) each for K and V.
     `fixed_scales`: each layer's calibrated (Hkv,) K and V scales, for an INT8 cache with per-head scales."""
-    if spec.quantized and spec.per_head_scales and (fixed_scales is None or len(fixed_scales) != spec.num_layers):
+    per_head = spec.format.per_head_scales
+    if per_head and (fixed_scales is None or len(fixed_scales) != spec.num_layers):
         raise ConfigError("an INT8 KV cache with per-head scales needs calibrated scales for every layer")
     return [
         LayerKVCache.allocate(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype,
-                              spec.quantized, device,
-                              fixed_scales[i] if spec.quantized and spec.per_head_scales and fixed_scales else None)
+                              spec.format, device, fixed_scales[i] if per_head and fixed_scales else None)
         for i in range(spec.num_layers)
     ]

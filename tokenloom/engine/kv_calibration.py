@@ -24,6 +24,7 @@ import torch
 
 from tokenloom.attention.base import AttentionBackend
 from tokenloom.attention.paged_kv import LayerKVCache, head_scales
+from tokenloom.config import KVCacheFormat
 from tokenloom.engine.runner import StepInput, build_step
 from tokenloom.errors import ConfigError
 from tokenloom.models.llama import LlamaForCausalLM
@@ -93,8 +94,8 @@ def calibrate_kv_scales(model: LlamaForCausalLM, backend: AttentionBackend, devi
         entries.append(StepInput(p, 0, list(range(num_blocks, num_blocks + n)), 0))
         num_blocks += n
     dtype = model.norm.weight.dtype
-    caches = [LayerKVCache.allocate(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, False,
-                                    device) for _ in range(cfg.num_hidden_layers)]
+    caches = [LayerKVCache.allocate(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype,
+                                    KVCacheFormat.MODEL_DTYPE, device) for _ in range(cfg.num_hidden_layers)]
     input_ids, positions, meta, _, _ = build_step(entries, block_size, device)
     meta.plan = backend.plan(meta, device, cfg.sliding_window)
     model(input_ids, positions, caches, meta)

@@ -7,23 +7,31 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from tokenloom.attention.base import AttentionBackend
+from tokenloom.config import DType, GgufWeights
 from tokenloom.errors import ModelLoadError
+from tokenloom.kernels import load_quant_kernels
 from tokenloom.models.config import ModelConfig
 from tokenloom.models.default import DEFAULT_MODEL_NAME, default_model_path
+from tokenloom.models.gguf import LOADABLE_DTYPES, config_from_gguf, state_dict_from_gguf
+from tokenloom.models.gguf_file import read_gguf
+from tokenloom.models.gguf_kept import kept_layers
+from tokenloom.models.gguf_tokenizer import tokenizer_from_gguf
 from tokenloom.models.llama import LlamaForCausalLM
+from tokenloom.quant.checkpoint import check_quantization_config, split_stored, stored_layers
 from tokenloom.tokenizer import Tokenizer
 
 MODEL_FAMILIES: dict[str, type[LlamaForCausalLM]] = {"llama": LlamaForCausalLM}
 
-GGUF_WEIGHTS = ("keep", "dequantize")
-
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GGUF_WEIGHTS = get_args(GgufWeights)
+# The --dtype values other than auto, as torch dtypes.
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in get_args(DType) if name != "auto"}
 
 
 @dataclass
@@ -68,9 +76,6 @@ def load_model(
     stored: dict[str, dict[str, torch.Tensor]] = {}  # a quantized checkpoint's buffers, by module path
     layout = 0  # and the layout version of their codes (quant/layout.py)
     if p.is_file() and p.suffix == ".gguf":
-        from tokenloom.models.gguf import LOADABLE_DTYPES, config_from_gguf, read_gguf, state_dict_from_gguf
-        from tokenloom.models.gguf_tokenizer import tokenizer_from_gguf
-
         dt = resolve_dtype(dtype)
         if dt not in LOADABLE_DTYPES:
             raise ModelLoadError(f"dtype {dt} is not supported for GGUF weights; use float32 or bfloat16")
@@ -78,8 +83,6 @@ def load_model(
         config, tokenizer = config_from_gguf(f), tokenizer_from_gguf(f)
         consumed: set[str] = set()
         if _keep_gguf(gguf_weights, dt, device):
-            from tokenloom.models.gguf_kept import kept_layers
-
             kept, consumed = kept_layers(f, config)
             quantized.update(kept)
         tensors = state_dict_from_gguf(f, config, dt, frozenset(consumed))
@@ -92,8 +95,6 @@ def load_model(
         weights = _safetensors_weights(p)
         qcfg = raw.get("quantization_config")
         if qcfg is not None:
-            from tokenloom.quant.checkpoint import check_quantization_config, split_stored
-
             layout = check_quantization_config(qcfg, p)
             if dt != torch.bfloat16 or device.type != "cpu":
                 raise ModelLoadError(f"{p}: a tokenloom-quantized checkpoint runs in bfloat16 on CPU")
@@ -108,8 +109,6 @@ def load_model(
     with torch.device("meta"):
         model = family(config, backend, max_pos)
     if stored:
-        from tokenloom.quant.checkpoint import stored_layers
-
         quantized.update(stored_layers(stored, model, layout))
     for name, layer in quantized.items():
         parent, _, attr = name.rpartition(".")
@@ -127,8 +126,6 @@ def _keep_gguf(mode: str, dtype: torch.dtype, device: torch.device) -> bool:
         raise ModelLoadError(f"gguf weights mode must be one of {', '.join(GGUF_WEIGHTS)}, got {mode!r}")
     if mode != "keep" or dtype != torch.bfloat16 or device.type != "cpu":
         return False  # float32 (the parity tests' dtype) and CUDA keep the dequantized path
-    from tokenloom.kernels import load_quant_kernels
-
     return load_quant_kernels() is not None  # without the kernels, dense bf16 is faster
 
 

@@ -1,63 +1,29 @@
 """Weight-only quantization of a model's linear layers at load time (`--quantization int8|int4`).
 
-- INT8: symmetric, one scale per output channel: w ~= d q, q in [-127, 127].
-- INT4: asymmetric, one (scale, min) pair per group of `group_size` input channels: w ~= d q + m,
-  q in [0, 15] (the form of GGUF Q4_1, so kept GGUF tensors and ours share one kernel).
-Scales and mins are rounded to float16 before the codes are computed, so the codes fit the values
-the kernel uses. The layers themselves (and their kernels) are in quant/linear.py.
-The LM head is quantized too (a decode step reads it whole: 56 of SmolLM2's 270 MB); when it is tied
-to the embeddings, the embedding table stays in the model dtype for the lookup and the head gets its
-own quantized copy. With int4 the head is INT8, as llama.cpp's 4-bit mixes keep their output matrix at
-6 bits or more: every logit goes through it, and on SmolLM2 a 4-bit head alone costs 5.5% perplexity
-(int4 g32: +5.48% with a 4-bit head, -0.03% with an 8-bit one; benchmarks/quantization.py).
+INT8 per output channel, INT4 per group of `group_size` inputs (the quantizers: quant/quantizers.py,
+re-exported here); the layers themselves (and their kernels) are in quant/linear.py.
+The LM head is quantized too (a decode step reads it whole); when it is tied to the embeddings, the
+embedding table stays in the model dtype for the lookup and the head gets its own quantized copy. With
+int4 the head is INT8, as llama.cpp's 4-bit mixes keep their output matrix at 6 bits or more: every
+logit goes through it (docs/performance-notes.md#quantized-lm-head).
 """
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 from torch import nn
 
+from tokenloom.config import Quantization
 from tokenloom.errors import ConfigError
 from tokenloom.quant.linear import Int4Linear, Int8Linear, QuantLinear
+from tokenloom.quant.quantizers import INT4_GROUP_SIZES, int4_group_size, quantize_int4, quantize_int8
 
 __all__ = ["Int4Linear", "Int8Linear", "QuantLinear", "QUANTIZATIONS", "INT4_GROUP_SIZES", "quantize_int8",
            "quantize_int4", "int4_group_size", "quantize_model", "weight_bytes"]
 
-# Smallest float16 step: a scale below it would round to 0 (all-equal groups).
-_MIN_SCALE = 2.0**-24
-
-QUANTIZATIONS = ("int8", "int4")
-INT4_GROUP_SIZES = (32, 64, 128, 256)
-
-
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) float -> (N, K) int8 codes and (N, 1) float16 scales (one per output channel)."""
-    scale = (w.float().abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(_MIN_SCALE).half()
-    q = torch.round(w.float() / scale.float()).clamp(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(N, K) float -> (N, K) uint8 codes in [0, 15], (N, K/g) float16 scales d and mins m, with
-    w ~= d q + m: m is the group's minimum, d its range / 15."""
-    n, k = w.shape
-    wg = w.float().reshape(n, k // group_size, group_size)
-    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
-    scale = ((hi - lo) / 15.0).clamp_min(_MIN_SCALE).half()
-    lo16 = lo.half()
-    q = torch.round((wg - lo16.float()[..., None]) / scale.float()[..., None]).clamp(0, 15).to(torch.uint8)
-    return q.reshape(n, k), scale, lo16
-
-
-def int4_group_size(k: int, wanted: int) -> int:
-    """`wanted` if it divides the layer's input size, else the largest supported size that does
-    (SmolLM2's hidden size 576 is not a multiple of 128: its layers use 64)."""
-    if k % wanted == 0:
-        return wanted
-    for g in sorted(INT4_GROUP_SIZES, reverse=True):
-        if g < wanted and k % g == 0:
-            return g
-    raise ConfigError(f"no INT4 group size in {INT4_GROUP_SIZES} divides the input size {k}")
+QUANTIZATIONS = get_args(Quantization)
 
 
 def quantize_model(model: nn.Module, method: str, group_size: int = 128) -> int:

@@ -7,7 +7,12 @@ import argparse
 import logging
 import sys
 
+from tokenloom.engine_args import add_engine_args, engine_argv
+from tokenloom.errors import ConfigError
+from tokenloom.router.app import build_router_app
+from tokenloom.router.cluster import LocalWorkers
 from tokenloom.router.config import POLICIES, RouterConfig
+from tokenloom.serve.server import run_app
 
 
 def _router_args(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -54,8 +59,6 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
 
 
 def add_cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from tokenloom.cli import add_engine_args
-
     p = sub.add_parser("cluster", help="N local `tokenloom serve` workers and a router in front of them")
     p.add_argument("--workers", type=int, default=2,
                    help="how many workers to start (decode workers when --prefill-workers > 0)")
@@ -74,9 +77,6 @@ def add_cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
 
 
 def _run_router(args: argparse.Namespace) -> int:
-    from tokenloom.router.app import build_router_app
-    from tokenloom.serve.server import run_app
-
     config = _config(args, args.worker, args.prefill_worker)
     logging.getLogger("tokenloom.router").setLevel(logging.INFO)  # workers going out and coming back
     run_app(build_router_app(config), args.host, args.port, args.graceful_timeout, args.verbose)
@@ -86,19 +86,7 @@ def _run_router(args: argparse.Namespace) -> int:
 def worker_argv(args: argparse.Namespace) -> list[str]:
     """The `tokenloom serve` flags every cluster worker gets: the engine flags given to `cluster` (those
     that differ from their defaults) and the serving flags workers share with the router."""
-    from tokenloom.cli import add_engine_args
-
-    probe = argparse.ArgumentParser(add_help=False)
-    add_engine_args(probe)
-    argv: list[str] = []
-    for action in probe._actions:  # argparse offers no public list of a parser's options
-        value = getattr(args, action.dest)
-        if value == action.default:
-            continue
-        if isinstance(action, argparse.BooleanOptionalAction):
-            argv.append(action.option_strings[0] if value else action.option_strings[1])  # --x / --no-x
-        else:
-            argv += [action.option_strings[0], str(value)]
+    argv = engine_argv(args)
     argv += ["--max-waiting", str(args.max_waiting), "--graceful-timeout", str(args.graceful_timeout)]
     if args.served_model_name is not None:
         argv += ["--served-model-name", args.served_model_name]
@@ -108,11 +96,6 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _run_cluster(args: argparse.Namespace) -> int:
-    from tokenloom.errors import ConfigError
-    from tokenloom.router.app import build_router_app
-    from tokenloom.router.cluster import LocalWorkers
-    from tokenloom.serve.server import run_app
-
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1 (got {args.workers})")
     if args.prefill_workers < 0:

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from tokenloom.errors import ConfigError
 
-POLICIES = ("round_robin", "least_outstanding", "cache_aware")
+RoutingPolicy = Literal["round_robin", "least_outstanding", "cache_aware"]  # --policy
+POLICIES: tuple[RoutingPolicy, ...] = get_args(RoutingPolicy)
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     workers: tuple[str, ...]  # base URLs, e.g. http://10.0.0.5:8000
-    policy: str = "least_outstanding"
+    policy: RoutingPolicy = "least_outstanding"
     # Disaggregated prefill/decode: prefill workers (`serve --role prefill`) compute the prompts of OpenAI
     # completion and chat requests and ship their KV blocks to the decode worker chosen from `workers`.
     prefill_workers: tuple[str, ...] = ()

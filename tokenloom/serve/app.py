@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from tokenloom.config import Role
 from tokenloom.engine.async_engine import AsyncLLMEngine
 from tokenloom.errors import TokenloomError
 from tokenloom.serve.errors import Unauthorized, error_body, error_response
@@ -40,12 +41,9 @@ def _to_ollama(resp: JSONResponse) -> JSONResponse:
     return JSONResponse({"error": body["error"]["message"]}, status_code=resp.status_code, headers=keep)
 
 
-ROLES = ("both", "prefill", "decode")
-
-
 def build_app(
     engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, metrics: ServingMetrics | None = None,
-    role: str = "both", kv_address: str | None = None,
+    role: Role = "both", kv_address: str | None = None,
 ) -> FastAPI:
     """`role`: both (a whole server), prefill (also computes prompts for decode workers,
     /internal/kv/prefill) or decode (receives KV blocks at `kv_address`, which /health reports)."""
