@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tokenloom.bench.client import free_port, wait_until_healthy
+from tokenloom.netutil import free_port, wait_until_healthy
 
 
 def run(label: str, cluster_flags: list[str], a: argparse.Namespace) -> dict:

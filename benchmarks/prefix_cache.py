@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tokenloom.bench.client import free_port, wait_until_healthy
+from tokenloom.netutil import free_port, wait_until_healthy
 
 
 def run(flags: list[str], out: Path, a: argparse.Namespace) -> dict:

@@ -18,7 +18,7 @@ import time
 import httpx
 
 from tokenloom import LLM, SamplingParams
-from tokenloom.bench.client import free_port, wait_until_healthy
+from tokenloom.netutil import free_port, wait_until_healthy
 
 
 def prompts(llm_tok: object, n: int, length: int) -> list[list[int]]:

@@ -130,7 +130,7 @@ class LiveServer:
 
         import uvicorn
 
-        from tokenloom.bench.client import free_port, wait_until_healthy
+        from tokenloom.netutil import free_port, wait_until_healthy
         from tokenloom.config import EngineConfig
         from tokenloom.engine.async_engine import AsyncLLMEngine
         from tokenloom.serve.app import build_app

@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI, Request  # Request at module level: FastAPI resolves annotations here
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenloom.bench.client import free_port, wait_until_healthy
+from tokenloom.netutil import free_port, wait_until_healthy
 from tokenloom.router.app import build_router_app
 from tokenloom.router.config import RouterConfig
 

@@ -122,7 +122,7 @@ def test_tokenize_and_detokenize_endpoints(live_server: LiveServer, tiny_llama: 
 def test_wait_until_healthy_gives_up_when_the_server_is_gone() -> None:
     import time
 
-    from tokenloom.bench.client import free_port, wait_until_healthy
+    from tokenloom.netutil import free_port, wait_until_healthy
 
     t = time.monotonic()
     with pytest.raises(TimeoutError, match="exited"):

@@ -127,7 +127,7 @@ def test_block_hashes_agree_across_processes() -> None:
 
 
 def test_send_to_nobody_times_out_with_a_clear_error(tiny_llama: Path) -> None:
-    from tokenloom.bench.client import free_port
+    from tokenloom.netutil import free_port
 
     src = _prefilled(tiny_llama, [5, 6, 7] * 10)
     records = export_prefix(src.engine, [5, 6, 7] * 10)
@@ -181,7 +181,7 @@ def test_prefill_endpoint_errors(pair: "tuple[LiveServer, LiveServer]") -> None:
                                                                "request": {**body, "model": "nope"},
                                                                "kv_target": "tcp://127.0.0.1:1"})
     assert r.status_code == 404
-    from tokenloom.bench.client import free_port
+    from tokenloom.netutil import free_port
 
     r = httpx.post(prefill.url + "/internal/kv/prefill", timeout=30,
                    json={"endpoint": "/v1/completions", "request": body,
@@ -239,7 +239,7 @@ def test_router_splits_prefill_and_decode_with_the_colocated_output(pair: "tuple
 def test_router_without_a_live_prefill_worker_lets_decode_compute(pair: "tuple[LiveServer, LiveServer]") -> None:
     from router_helpers import router_metrics, start_router
 
-    from tokenloom.bench.client import free_port
+    from tokenloom.netutil import free_port
 
     prefill, decode = pair
     router = start_router([decode.url], prefill_workers=(f"http://127.0.0.1:{free_port()}",))
@@ -262,7 +262,7 @@ def test_cluster_command_starts_prefill_and_decode_workers(tiny_llama: Path, tmp
 
     from router_helpers import samples
 
-    from tokenloom.bench.client import free_port, wait_until_healthy
+    from tokenloom.netutil import free_port, wait_until_healthy
 
     port = free_port()
     log = tmp_path / "cluster.log"

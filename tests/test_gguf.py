@@ -21,7 +21,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, TokenType
 from tokenloom.errors import ConfigError, ModelLoadError, UnsupportedArchitecture
 from tokenloom.models.config import ModelConfig
 from tokenloom.models.default import default_model_path
-from tokenloom.models.gguf import GGUFFile, config_from_gguf, load_gguf, read_gguf
+from tokenloom.models.gguf import config_from_gguf, load_gguf
+from tokenloom.models.gguf_file import GGUFFile, read_gguf
 from tokenloom.models.gguf_tokenizer import tokenizer_from_gguf
 from tokenloom.models.gguf_quants import dequantize, has_torch_dequantizer
 from tokenloom.tokenizer import Tokenizer

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from prometheus_helpers import ensure_prometheus
-from tokenloom.bench.client import free_port, wait_until_healthy
+from tokenloom.netutil import free_port, wait_until_healthy
 from tokenloom.router.metrics import RouterMetrics
 from tokenloom.serve.metrics import ServingMetrics
 

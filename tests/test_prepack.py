@@ -90,7 +90,7 @@ def test_cli_flag() -> None:
 
 def test_no_prepacking_when_the_copy_would_crowd_memory(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:
-    import tokenloom.engine.engine as engine_mod
+    import tokenloom.engine.builder as engine_mod
 
     dense = sum(m.weight.numel() * 2 for m in LLM(str(tiny_llama), dtype="bfloat16", kv_cache_memory="8MiB",
                                                     prepack_weights=False).engine.loaded.model.modules()

@@ -13,8 +13,8 @@ import pytest
 from fastapi import Request
 
 from router_helpers import FakeWorker, router_metrics, start_router
-from tokenloom.bench.client import free_port
 from tokenloom.errors import ConfigError
+from tokenloom.netutil import free_port
 from tokenloom.router.config import RouterConfig
 from tokenloom.router.policies import CacheAware, LeastOutstanding, RoundRobin
 from tokenloom.router.prefix import prompt_text, routing_key
@@ -358,7 +358,7 @@ def test_router_command_serves_and_exits_zero_on_sigterm(fakes: list[FakeWorker]
     import subprocess
     import sys
 
-    from tokenloom.bench.client import wait_until_healthy
+    from tokenloom.netutil import wait_until_healthy
 
     f = fake(fakes)
     port = free_port()

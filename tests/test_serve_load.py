@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import LiveServer
-from tokenloom.bench.client import free_port, wait_until_healthy
 from tokenloom.errors import EngineDead, Overloaded
+from tokenloom.netutil import free_port, wait_until_healthy
 
 
 def scrape(url: str) -> dict[str, float]:

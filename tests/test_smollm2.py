@@ -145,3 +145,28 @@ def test_int8_kv_cache_still_answers(smollm2_gguf: Path, scales: str) -> None:
     want_top, got_top = (llm.chat(msgs, sp)[0].outputs[0].logprobs[0].top for llm in (bf, q))
     assert want_top.keys() == got_top.keys()
     assert all(abs(got_top[t] - want_top[t]) <= 0.75 for t in want_top)
+
+
+# -- pinned outputs ------------------------------------------------------------------------------------
+# Token ids and logprobs this engine produced (float32, dequantized weights) at 7c4f8e2, before the
+# engine-seams refactor: a reshaping of the engine must leave them as they are. Greedy ids are also
+# transformers' (the test above checks that on other prompts); the seeded ones pin the sampler's draws.
+PINNED_CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
+                "Explain what a KV cache is in one sentence.", "Count from one to ten in words.",
+                "Repeat after me: the quick brown fox jumps over the lazy dog, the quick brown fox."]
+PINNED_GREEDY = [[504, 3575, 282, 4649, 314, 7042, 30, 2], [504, 6147, 282, 260, 3426, 28, 253, 13879, 6122, 28, 198, 49, 9154, 303, 5082, 282, 260, 10393, 28, 198, 49, 13151, 282, 260, 6122, 338, 5721, 8823, 28, 198, 49, 13151, 282, 260, 5065, 506, 1149, 30, 2], [33, 30, 216, 33, 198, 34, 30, 216, 34, 198, 198, 3902, 359, 260, 805, 9552, 2966, 338, 359, 441, 46522, 411, 750, 550, 9552, 1230, 2560, 327, 216, 33, 284, 216, 34, 30, 2], [49, 659, 70, 13842, 314, 253, 1502, 282, 13842, 338, 7821, 284, 12394, 1099, 940, 281, 253, 2244, 3608, 282, 3500, 28, 3431, 253, 216, 33, 32, 34, 36, 26805, 3608, 28, 527, 314, 253, 1273, 2203, 281, 2148, 7867, 30, 2]]
+PINNED_GREEDY_LOGPROBS = [[-1.882697, -0.019664, -0.011464, -0.010894], [-1.522978, -2.540481, -1.358017, -0.138501], [-1.764295, -0.283535, -0.15093, -0.734787], [-0.110689, -0.213296, -0.013219, -0.304713]]  # the first 4 tokens' logprobs of each
+PINNED_SEEDED = [[[504, 3575, 282, 4649, 314, 7042, 30, 2], [504, 3575, 282, 4649, 314, 7042, 28, 4649, 30, 2]], [[788, 260, 15361, 28, 253, 1977, 282, 260, 2276, 28, 253, 5484, 282, 260, 3426, 28, 253, 5720, 506, 1924, 28, 253, 26156, 506, 1924, 28, 284, 253, 1977, 282, 260, 3426], [2068, 260, 10393, 282, 260, 5065, 28, 253, 14886, 282, 1029, 1580, 9925, 28, 253, 3426, 282, 10074, 28, 253, 10393, 338, 11216, 1420, 30, 378, 3426, 28, 253, 4749, 284, 551]]]  # n=2 completions of the first two chats
+
+
+def test_pinned_greedy_and_seeded_outputs(ours: LLM) -> None:
+    prompts = [ours.tokenizer.encode_chat([{"role": "user", "content": c}]) for c in PINNED_CHATS]
+    greedy = ours.generate(prompts, SamplingParams(temperature=0, max_tokens=48, logprobs=3))
+    for out, ids, lps in zip(greedy, PINNED_GREEDY, PINNED_GREEDY_LOGPROBS):
+        assert out.outputs[0].token_ids == ids
+        got = [lp.logprob for lp in out.outputs[0].logprobs[: len(lps)]]
+        assert got == pytest.approx(lps, abs=LOGPROB_ATOL)
+    seeded = ours.generate(prompts, [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=i, max_tokens=32, n=2,
+                                                    logprobs=1) for i in range(len(prompts))])
+    for out, want in zip(seeded, PINNED_SEEDED):
+        assert [c.token_ids for c in out.outputs] == want

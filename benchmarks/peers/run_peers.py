@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from tokenloom.bench.client import free_port, wait_until_healthy
+from tokenloom.netutil import free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

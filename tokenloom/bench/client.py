@@ -11,9 +11,7 @@ stream_options.include_usage, Ollama's eval_count), else from the number of text
 from __future__ import annotations
 
 import json
-import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -134,30 +132,6 @@ async def _ollama(client: httpx.AsyncClient, model: str, req: BenchRequest, rec:
                     rec.server_decode_s = obj["eval_duration"] / 1e9
     if not rec.output_tokens:
         rec.output_tokens = chunks
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (for servers started by tests and scripts)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until_healthy(base_url: str, timeout: float = 120.0, path: str = "/health",
-                       alive: Callable[[], bool] | None = None) -> None:
-    """Poll `GET path` until it answers 200; raise TimeoutError if it has not within `timeout` s, or at
-    once when `alive` (e.g. "the server process still runs") turns false."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if alive is not None and not alive():
-            raise TimeoutError(f"{base_url}: the server exited before it came up")
-        try:
-            if httpx.get(base_url + path, timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{base_url} did not become healthy within {timeout:.0f} s")
 
 
 class ServerTokenizer:

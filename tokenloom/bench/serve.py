@@ -26,6 +26,9 @@ from tokenloom.bench.datasets import (
 )
 from tokenloom.bench.stats import RequestRecord, SweepPoint, distribution, knee, summarize
 from tokenloom.errors import ConfigError
+from tokenloom.models.default import default_model_path
+from tokenloom.models.gguf_file import read_gguf
+from tokenloom.models.gguf_tokenizer import tokenizer_from_gguf
 from tokenloom.tokenizer import Tokenizer
 
 
@@ -75,13 +78,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_tokenizer(path: str | None) -> Tokenizer:
-    from tokenloom.models.default import default_model_path
-
     p = Path(path) if path else default_model_path()
     if p.suffix == ".gguf":
-        from tokenloom.models.gguf import read_gguf
-        from tokenloom.models.gguf_tokenizer import tokenizer_from_gguf
-
         return tokenizer_from_gguf(read_gguf(p))
     return Tokenizer.from_hf_folder(p)
 
@@ -215,7 +213,7 @@ def _ms(v: float | None) -> str:
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    from tokenloom.bench.report import write_report
+    from tokenloom.bench.report import write_report  # here, not at the top: matplotlib loads only for a run
 
     if args.dataset == "agentic" and args.backend != "openai-chat":
         raise ConfigError("--dataset agentic needs --backend openai-chat (the conversation is sent as messages)")

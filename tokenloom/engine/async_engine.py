@@ -85,7 +85,7 @@ class AsyncLLMEngine:
         Build it on the loop thread where possible: torch's OpenMP pool belongs to the thread that first
         runs a parallel region, and a second pool (model loaded on one thread, stepped on another)
         oversubscribes the cores; libgomp then throttles its spin-waits and single-stream decode runs at
-        about half speed on a 2-core machine (measured: 88 vs 47 tok/s).
+        about half speed on a 2-core machine (docs/performance-notes.md#openmp-thread-pools).
         `max_waiting`: how many requests may wait beyond the `max_num_seqs` that run at once; more are
         refused with Overloaded (the HTTP layer's 429). `on_step` sees every step's outputs (and the final
         output of each aborted request): the metrics hook."""

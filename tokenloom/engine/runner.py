@@ -65,7 +65,8 @@ class ModelRunner:
         `kv_caches` may be fewer than the model's layers: the self-draft runs only the first K."""
         meta.plan = self.backend.plan(meta, self.device, model.config.sliding_window)
         # On CPU, oneDNN wins every matmul with 2+ rows, but a single-row matmul (one decoding
-        # sequence) streams weights ~1.7x faster through ATen's own GEMV kernel.
+        # sequence) streams weights faster through ATen's own GEMV kernel
+        # (docs/performance-notes.md#single-row-matmuls-and-onednn).
         with _onednn(self.device.type != "cpu" or input_ids.numel() > 1):
             if (self.fused is not None and model is self.model and kv_caches is self.kv_caches
                     and getattr(meta.plan, "all_decode", False)):

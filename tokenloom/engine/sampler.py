@@ -234,7 +234,7 @@ class Sampler:
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """(S, vocab) -> (S,) index of each row's largest value, the first one on ties (as argmax), in less
-    than half argmax's time on CPU (docs/performance-notes.md)."""
+    than half argmax's time on CPU (docs/performance-notes.md#greedy-sampling)."""
     return x.max(dim=-1).indices
 
 

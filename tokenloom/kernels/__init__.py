@@ -9,7 +9,8 @@ the test oracle and the path on CUDA.
 
 All sources build into one module: the first load compiles (about two minutes on 2 cores) into torch's
 extension cache; later loads take milliseconds. When no compiler is available the loader returns None
-and callers use the torch path.
+and callers use the torch path. The numbers both sides rely on (row limits, code layout) come from
+limits.py, passed to the compiler as -D flags; the build is named after them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import functools
 import logging
 from pathlib import Path
 from types import ModuleType
+
+from tokenloom.kernels.limits import build_tag, compiler_defines
 
 log = logging.getLogger("tokenloom.kernels")
 
@@ -34,10 +37,11 @@ def load_cpu_kernels() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         return load(
-            name="tokenloom_cpu_kernels",
+            # Named after the shared limits' values: a build made with other values is never reused.
+            name=f"tokenloom_cpu_kernels_{build_tag()}",
             sources=[str(_CSRC / f) for f in _SOURCES],
             # -march=native: built on the machine that runs it. -fno-math-errno lets exp() vectorise.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", *compiler_defines()],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

@@ -6,31 +6,25 @@ The result is what `transformers` builds from the same file (`from_pretrained(di
 the same config values, the same dequantized weights under the same names (with llama.cpp's RoPE
 row permutation of q/k undone), and a tokenizer that gives the same ids.
 
-Sections: reading the container, the config, the weights. The tokenizer is in gguf_tokenizer.py.
-
-The container is parsed here rather than with `gguf.GGUFReader`: the reader builds one numpy view
-per array element, which costs ~2 s for a 49k-token vocabulary (more than the whole load should);
-this parser reads the same layout in ~0.05 s and memory-maps the tensor data the same way.
+Sections: the config, the weights. The file container (header, metadata, tensor data) is read by
+gguf_file.py; the tokenizer is rebuilt by gguf_tokenizer.py.
 """
 
 from __future__ import annotations
 
 import math
-import mmap
 import re
-import struct
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from tokenloom.errors import ConfigError, ModelLoadError, UnsupportedArchitecture
 from tokenloom.models.config import ModelConfig, RopeScaling
-from tokenloom.models.gguf_quants import dequantize
+from tokenloom.models.gguf_file import GGUFFile, read_gguf
+from tokenloom.models.gguf_tokenizer import tokenizer_from_gguf
 from tokenloom.tokenizer import Tokenizer
 
 # GGUF `general.architecture` -> HF class name. Mistral GGUFs say "llama".
@@ -39,7 +33,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
 }
 # Architectures whose converter permuted attn_q/attn_k rows for GGML's interleaved RoPE.
-_ROPE_PERMUTED = {"llama"}
+ROPE_PERMUTED = {"llama"}
 
 LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -52,144 +46,7 @@ def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, to
         raise ConfigError(f"dtype {dtype} is not supported for GGUF weights; use float32 or bfloat16")
     f = read_gguf(path)
     config = config_from_gguf(f)
-    from tokenloom.models.gguf_tokenizer import tokenizer_from_gguf
-
     return config, state_dict_from_gguf(f, config, dtype), tokenizer_from_gguf(f)
-
-
-# --- the container ---------------------------------------------------------------------------------
-# Little-endian: "GGUF", u32 version, u64 tensor count, u64 kv count; kv pairs (string key, u32 type,
-# value); tensor infos (string name, u32 n_dims, u64 dims[n_dims] fastest-first, u32 ggml type,
-# u64 offset); padding to `general.alignment`; tensor data. Strings are u64 length + UTF-8 bytes.
-
-_SCALAR_FORMATS: dict[int, str] = {
-    GGUFValueType.UINT8: "<B",
-    GGUFValueType.INT8: "<b",
-    GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I",
-    GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f",
-    GGUFValueType.BOOL: "<?",
-    GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q",
-    GGUFValueType.FLOAT64: "<d",
-}
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-
-
-@dataclass(frozen=True)
-class GGUFTensorInfo:
-    name: str
-    shape: tuple[int, ...]  # torch order: the GGUF dims reversed (rows first)
-    qtype: GGMLQuantizationType
-    offset: int  # absolute byte offset in the file
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class GGUFFile:
-    path: Path
-    version: int
-    metadata: dict[str, Any]  # scalars as Python values, numeric arrays as numpy, string arrays as lists
-    tensors: dict[str, GGUFTensorInfo]
-    data: np.ndarray  # the whole file, uint8, memory-mapped copy-on-write
-
-    def raw(self, name: str) -> np.ndarray:
-        """The bytes of tensor `name` (a view into the mapping, no copy)."""
-        t = self.tensors[name]
-        return self.data[t.offset : t.offset + t.nbytes]
-
-    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        t = self.tensors[name]
-        return dequantize(self.raw(name), t.qtype, t.shape, dtype)
-
-
-def read_gguf(path: Path) -> GGUFFile:
-    """Parse the header of a GGUF file and memory-map its tensor data."""
-    try:
-        with open(path, "rb") as fh:
-            # ACCESS_COPY: writable pages (so torch.from_numpy does not warn) that never reach the file.
-            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
-    except (OSError, ValueError) as e:  # ValueError: empty file
-        raise ModelLoadError(f"{path}: cannot read GGUF file: {e}") from e
-    try:
-        return _parse(Path(path), mm)
-    except (struct.error, UnicodeDecodeError, IndexError) as e:
-        raise ModelLoadError(f"{path}: malformed or truncated GGUF header ({e})") from e
-
-
-def _parse(path: Path, mm: mmap.mmap) -> GGUFFile:
-    if mm[:4] != b"GGUF":
-        raise ModelLoadError(f"{path}: not a GGUF file (magic {mm[:4]!r})")
-    (version,) = _U32.unpack_from(mm, 4)
-    if version & 0xFFFF == 0:  # a byte-swapped small number
-        raise ModelLoadError(f"{path}: big-endian GGUF files are not supported")
-    if version not in (2, 3):
-        raise ModelLoadError(f"{path}: unsupported GGUF version {version}")
-    n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
-    off = 24
-    metadata: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key, off = _read_str(mm, off)
-        (vtype,) = _U32.unpack_from(mm, off)
-        metadata[key], off = _read_value(mm, off + 4, vtype)
-
-    infos: list[tuple[str, tuple[int, ...], int, int]] = []
-    for _ in range(n_tensors):
-        name, off = _read_str(mm, off)
-        (n_dims,) = _U32.unpack_from(mm, off)
-        dims = struct.unpack_from(f"<{n_dims}Q", mm, off + 4)
-        qtype_id, rel = struct.unpack_from("<IQ", mm, off + 4 + 8 * n_dims)
-        off += 4 + 8 * n_dims + 12
-        infos.append((name, tuple(int(d) for d in reversed(dims)), qtype_id, rel))
-
-    alignment = int(metadata.get("general.alignment", 32))
-    data_start = -(-off // alignment) * alignment
-    tensors: dict[str, GGUFTensorInfo] = {}
-    for name, shape, qtype_id, rel in infos:
-        try:
-            qtype = GGMLQuantizationType(qtype_id)
-        except ValueError as e:
-            raise ModelLoadError(f"{path}: tensor {name!r} has unknown ggml type id {qtype_id}") from e
-        block_size, type_size = GGML_QUANT_SIZES[qtype]
-        n_elements = math.prod(shape)
-        nbytes = n_elements // block_size * type_size
-        start = data_start + rel
-        if start + nbytes > len(mm):
-            raise ModelLoadError(f"{path}: tensor {name!r} lies past the end of the file (truncated?)")
-        tensors[name] = GGUFTensorInfo(name, shape, qtype, start, nbytes)
-    data = np.frombuffer(mm, dtype=np.uint8)
-    return GGUFFile(path, version, metadata, tensors, data)
-
-
-def _read_str(mm: mmap.mmap, off: int) -> tuple[str, int]:
-    (n,) = _U64.unpack_from(mm, off)
-    end = off + 8 + n
-    return mm[off + 8 : end].decode("utf-8", errors="replace"), end
-
-
-def _read_value(mm: mmap.mmap, off: int, vtype: int) -> tuple[Any, int]:
-    if vtype == GGUFValueType.STRING:
-        return _read_str(mm, off)
-    if vtype == GGUFValueType.ARRAY:
-        itype, count = struct.unpack_from("<IQ", mm, off)
-        off += 12
-        if itype in _SCALAR_FORMATS:
-            dt = np.dtype(_SCALAR_FORMATS[itype])
-            arr = np.frombuffer(mm, dtype=dt, count=count, offset=off).copy()
-            return arr, off + count * dt.itemsize
-        items: list[Any] = []
-        for _ in range(count):  # strings (tokens, merges) and nested arrays
-            item, off = _read_value(mm, off, itype)
-            items.append(item)
-        return items, off
-    fmt = _SCALAR_FORMATS.get(vtype)
-    if fmt is None:
-        raise ModelLoadError(f"unknown GGUF metadata value type {vtype}")
-    (value,) = struct.unpack_from(fmt, mm, off)
-    return value, off + struct.calcsize(fmt)
 
 
 # --- the config --------------------------------------------------------------------------------------
@@ -350,14 +207,14 @@ def state_dict_from_gguf(f: GGUFFile, config: ModelConfig, dtype: torch.dtype,
         hf_name = hf_tensor_name(name)
         if hf_name is None:
             raise UnsupportedArchitecture(f"{arch} GGUF has tensor {name!r}, which tokenloom's {arch} model lacks")
-        permute = next((n for part, n in heads.items() if part in name), None) if arch in _ROPE_PERMUTED else None
+        permute = next((n for part, n in heads.items() if part in name), None) if arch in ROPE_PERMUTED else None
         jobs.append((name, permute))
         names.append(hf_name)
 
     def load(job: tuple[str, int | None]) -> torch.Tensor:
         name, permute = job
         w = f.tensor(name, dtype)
-        return w if permute is None else _unpermute_rope_rows(w, permute)
+        return w if permute is None else unpermute_rope_rows(w, permute)
 
     out = dict(zip(names, _map_single_threaded(load, jobs)))
     _check_complete(out, config, f.path, {n for s in skip if (n := hf_tensor_name(s)) is not None})
@@ -369,7 +226,7 @@ def _map_single_threaded(fn: Callable[[_T], torch.Tensor], items: list[_T]) -> l
 
     Dequantizing is hundreds of small memory-bound ops. Under torch's own (OpenMP) parallelism every
     op ends in a thread barrier, and when another process competes for the cores each barrier can
-    wait out a scheduler slice: SmolLM2 took 3-14 s instead of 0.4 s. Whole tensors on independent
+    wait out a scheduler slice (docs/performance-notes.md#gguf-loading). Whole tensors on independent
     single-threaded workers need no barriers, and torch releases the GIL inside its ops.
     """
     workers = torch.get_num_threads()
@@ -384,7 +241,7 @@ def _map_single_threaded(fn: Callable[[_T], torch.Tensor], items: list[_T]) -> l
         torch.set_num_threads(workers)
 
 
-def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation (as transformers' `_reverse_permute_weights` does).
 
     HF rotates the two halves of each head (row i pairs with i + d/2); GGML's RoPE rotates adjacent

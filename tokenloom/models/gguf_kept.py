@@ -15,7 +15,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from tokenloom.models.config import ModelConfig
-from tokenloom.models.gguf import _ROPE_PERMUTED, GGUFFile, _unpermute_rope_rows
+from tokenloom.models.gguf import ROPE_PERMUTED, unpermute_rope_rows
+from tokenloom.models.gguf_file import GGUFFile
 from tokenloom.quant.linear import Int4Linear, Int8Linear, QuantLinear
 
 Q = GGMLQuantizationType
@@ -59,8 +60,8 @@ def _layer(f: GGUFFile, parts: list[str], heads: dict[str, int], bias: torch.Ten
         q, d, m = _codes(f, name)
         n_heads = next((n for part, n in heads.items() if part in name), None)
         if n_heads is not None:  # undo llama.cpp's q/k row permutation: rows move, values do not
-            q, d = _unpermute_rope_rows(q, n_heads), _unpermute_rope_rows(d, n_heads)
-            m = None if m is None else _unpermute_rope_rows(m, n_heads)
+            q, d = unpermute_rope_rows(q, n_heads), unpermute_rope_rows(d, n_heads)
+            m = None if m is None else unpermute_rope_rows(m, n_heads)
         qs.append(q)
         ds.append(d)
         ms.append(m)
@@ -79,7 +80,7 @@ def kept_layers(f: GGUFFile, config: ModelConfig) -> tuple[dict[str, QuantLinear
     consumed (the caller must not dequantize those)."""
     arch = str(f.metadata["general.architecture"])
     heads = ({".attn_q.": config.num_attention_heads, ".attn_k.": config.num_key_value_heads}
-             if arch in _ROPE_PERMUTED else {})
+             if arch in ROPE_PERMUTED else {})
     plan: dict[str, tuple[list[str], list[str]]] = {}  # path -> (weight names, bias names)
     for i in range(config.num_hidden_layers):
         for path, parts in _FUSED.items():

@@ -23,8 +23,8 @@ from tokenloom.errors import ModelLoadError
 Q = GGMLQuantizationType
 BlockFn = Callable[[torch.Tensor], torch.Tensor]
 
-# Elements dequantized per step: float32 temporaries of ~4 MB stay in cache (8x larger chunks run 3x
-# slower), whatever the tensor size.
+# Elements dequantized per step, whatever the tensor size: the float32 temporaries (~4 MB) stay in cache
+# (docs/performance-notes.md#gguf-loading).
 _CHUNK_ELEMENTS = 1 << 20
 
 _NIBBLE_SHIFTS = torch.tensor([0, 4], dtype=torch.uint8)

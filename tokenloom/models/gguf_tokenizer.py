@@ -15,7 +15,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as HFTokenizer
 
 from tokenloom.errors import ModelLoadError, UnsupportedArchitecture
-from tokenloom.models.gguf import GGUFFile
+from tokenloom.models.gguf_file import GGUFFile
 from tokenloom.tokenizer import Tokenizer
 
 

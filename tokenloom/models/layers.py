@@ -9,15 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenloom.kernels.limits import PACKED_MAX_ROWS, SKINNY_MAX_ROWS
 from tokenloom.models.config import RopeScaling
 
-
-SKINNY_MAX_ROWS = 8  # the C++ few-row matmul serves 1..8 rows (decode and speculative verification)
-# Prepacked weights serve 2..PACKED_MAX_ROWS rows (decode batches, verification); bigger prefill chunks
-# go to F.linear. SmolLM2's 30 layers of linears, bf16 with AMX, packed against F.linear (2026-12-03):
-# 18.2 / 26.7 ms at 64 rows, 24.5 / 32.6 at 128, 31.9 / 47.2 at 256, 51.3 / 52.2 at 384, 66.4 / 63.4 at
-# 512. Past ~300 rows F.linear's per-call reorder is amortized and oneDNN blocks K for the actual rows.
-PACKED_MAX_ROWS = 256
+# SKINNY_MAX_ROWS: the C++ few-row matmul serves 1..SKINNY_MAX_ROWS rows (decode, verification).
+# PACKED_MAX_ROWS: prepacked weights serve 2..PACKED_MAX_ROWS rows; bigger prefill chunks go to F.linear
+# (see docs/performance-notes.md#prepacked-weights). Both shared with the C++ kernels via kernels/limits.py.
 
 
 def prepack_available() -> bool:

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import torch
 
-CHUNK = 64
-BLOCK = 16  # int4 output channels per block (version 3)
+from tokenloom.kernels.limits import INT4_BLOCK, QUANT_CHUNK
+
+CHUNK = QUANT_CHUNK  # inputs per chunk; rows are padded to whole chunks
+BLOCK = INT4_BLOCK  # int4 output channels per block (version 3)
 LAYOUT_VERSION = 3
 # e(p) = 32 ((p >> 2) & 1) + 4 (p >> 3) + (p & 3), as chunk_input() in C++: lane j = positions 4j..4j+3
 # holds four consecutive inputs of block j % 2.

@@ -25,6 +25,8 @@ from tokenloom.errors import ConfigError
 from tokenloom.kernels import load_quant_kernels
 from tokenloom.quant.layout import (int4_from_kernel, int4_scales_from_kernel, int4_scales_to_kernel, int4_to_kernel,
                                     int8_from_kernel, int8_to_kernel, padded)
+from tokenloom.quant.quantizers import int4_group_size, quantize_int4, quantize_int8
+
 
 class QuantLinear(nn.Module):
     """Shared buffers and forward of Int8Linear / Int4Linear (subclasses set `bits`)."""
@@ -118,8 +120,6 @@ class Int8Linear(QuantLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
-        from tokenloom.quant.weight_only import quantize_int8
-
         q, s = quantize_int8(linear.weight.data)
         return cls.from_codes(q, s, None if linear.bias is None else linear.bias.data)
 
@@ -154,8 +154,6 @@ class Int4Linear(QuantLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
-        from tokenloom.quant.weight_only import int4_group_size, quantize_int4
-
         g = int4_group_size(linear.in_features, group_size)
         q, d, m = quantize_int4(linear.weight.data, g)
         return cls.from_codes(q, d, m, None if linear.bias is None else linear.bias.data)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from tokenloom.bench.client import free_port, wait_until_healthy
+from tokenloom.netutil import free_port, wait_until_healthy
 from tokenloom.errors import NoHealthyWorker
 
 log = logging.getLogger("tokenloom.router")

@@ -9,11 +9,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "optional residual add + RMSNorm; returns (normed, new residual)");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation: silu(gate) * up");
   m.def("rotary_inplace", &rotary_inplace, "neox rotary embedding applied in place to q and k");
-  m.def("skinny_linear", &skinny_linear, "x @ w.T (+ bias) for 1..8 bfloat16 rows, weights streamed once");
+  m.def("skinny_linear", &skinny_linear, "x @ w.T (+ bias) for 1..SKINNY_MAX_ROWS bfloat16 rows, weights streamed once");
   m.def("skinny_available", &skinny_available, "whether skinny_linear has its AVX512-BF16 fast path");
   m.def("quant_linear", &quant_linear,
         "x @ dequant(W).T (+ bias): bfloat16 x (M, K), int8 (N, Kp) or int4 (N, Kp/2) codes, float16 scales (N, G) "
         "and int4 mins (N, G), in the layout of tokenloom/quant/layout.py");
   m.def("quant_available", &quant_available, "whether the AVX512-BF16 + VNNI quantized matmuls were compiled in");
+  m.def("limits", [] {
+    pybind11::dict d;  // as tokenloom/kernels/limits.py SHARED, the values this build was compiled with
+    d["SKINNY_MAX_ROWS"] = kSkinnyMaxRows;
+    d["PACKED_MAX_ROWS"] = kPackedMaxRows;
+    d["QUANT_CHUNK"] = kQuantChunk;
+    d["INT4_BLOCK"] = kInt4Block;
+    return d;
+  }, "the limits shared with Python (tokenloom/kernels/limits.py) this build was compiled with");
   bind_decode_stack(m);
 }

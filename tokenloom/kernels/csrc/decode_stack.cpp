@@ -1,8 +1,8 @@
 // A whole decode step of a Llama-family decoder stack in one call from Python.
 //
 // A decode step on a small model is dominated by fixed costs, not by arithmetic: SmolLM2-135M runs
-// 30 layers x ~12 kernels, and each kernel called from Python through nn.Module costs 3-8 us of
-// interpreter and binding work before it starts (~2 ms per step, a third of an int4 step). Here the
+// 30 layers x ~12 kernels, and each kernel called from Python through nn.Module pays interpreter and
+// binding work before it starts (docs/performance-notes.md#decode-stack). Here the
 // same kernels, in the same order, with the same arguments, are called from C++: the result is bit
 // for bit the one of the Python path (models/llama.py with the CPU kernels), which is its test oracle
 // (tests/test_decode_stack.py), and the Python path still serves every step that is not pure decode.
@@ -58,7 +58,8 @@ struct FusedLinear {
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (bits != 16) return quant_linear(x, weight, *scales, mins, bits, bias);
-    // The choice Linear.forward makes: packed for 2..256 rows; skinny for 1 (for up to 8 without packed).
+    // The choice Linear.forward makes: packed for 2..kPackedMaxRows rows; skinny for 1 (for up to
+    // kSkinnyMaxRows without packed).
     if (packed.has_value() && x.size(0) >= 2 && x.size(0) <= kPackedMaxRows) return packed_linear(x, *packed, bias);
     if (x.size(0) <= (packed.has_value() ? 1 : kSkinnyMaxRows)) return skinny_linear(x, weight, bias);
     return at::linear(x, weight, bias);  // oneDNN for many rows, as F.linear in Linear.forward

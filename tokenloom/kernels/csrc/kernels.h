@@ -6,28 +6,37 @@
 
 #include <cstdint>
 #include <tuple>
+#include <utility>
 
-// skinny_linear and quant_linear's few-row paths serve 1..kSkinnyMaxRows rows (models/layers.py
-// SKINNY_MAX_ROWS).
-constexpr int64_t kSkinnyMaxRows = 8;
-// A dense layer's prepacked (oneDNN-blocked) weight serves 2..kPackedMaxRows rows (models/layers.py
-// PACKED_MAX_ROWS).
-constexpr int64_t kPackedMaxRows = 256;
+// The numbers Python relies on too are defined once, in tokenloom/kernels/limits.py, and reach this
+// build as -DTOKENLOOM_<NAME>=<value> flags (tokenloom/kernels/__init__.py).
+#if !defined(TOKENLOOM_SKINNY_MAX_ROWS) || !defined(TOKENLOOM_PACKED_MAX_ROWS) || !defined(TOKENLOOM_QUANT_CHUNK) || \
+    !defined(TOKENLOOM_INT4_BLOCK)
+#error "build through tokenloom.kernels.load_cpu_kernels: the shared limits come from tokenloom/kernels/limits.py"
+#endif
+// skinny_linear and quant_linear's few-row paths serve 1..kSkinnyMaxRows rows (limits.SKINNY_MAX_ROWS).
+constexpr int64_t kSkinnyMaxRows = TOKENLOOM_SKINNY_MAX_ROWS;
+// A dense layer's prepacked (oneDNN-blocked) weight serves 2..kPackedMaxRows rows (limits.PACKED_MAX_ROWS).
+constexpr int64_t kPackedMaxRows = TOKENLOOM_PACKED_MAX_ROWS;
+// Quantized code layout (quant/layout.py): rows padded to chunks of kQuantChunk inputs, int4 output
+// channels in blocks of kInt4Block.
+constexpr int64_t kQuantChunk = TOKENLOOM_QUANT_CHUNK;
+constexpr int64_t kInt4Block = TOKENLOOM_INT4_BLOCK;
+static_assert(kSkinnyMaxRows >= 1 && kPackedMaxRows >= 2, "row limits");
+static_assert(kQuantChunk == 64, "the quantized kernels load a chunk of int8 codes as one 512-bit vector");
+static_assert(kInt4Block == 16, "an int4 block of output channels is vpdpbusd's 16 int32 lanes");
 
 // The few-row kernels are compiled once per row count: calls f.template operator()<R>() with R = rows,
-// for rows in 1..kSkinnyMaxRows (the caller checks the bound).
+// for rows in 1..kSkinnyMaxRows (the caller checks the bound; any other count runs as kSkinnyMaxRows).
+template <typename F, int... R>
+inline void with_rows_impl(int64_t rows, F& f, std::integer_sequence<int, R...>) {
+  if (!((rows == R + 1 && (f.template operator()<R + 1>(), true)) || ...)) {
+    f.template operator()<static_cast<int>(kSkinnyMaxRows)>();
+  }
+}
 template <typename F>
 inline void with_rows(int64_t rows, F&& f) {
-  switch (rows) {
-    case 1: f.template operator()<1>(); break;
-    case 2: f.template operator()<2>(); break;
-    case 3: f.template operator()<3>(); break;
-    case 4: f.template operator()<4>(); break;
-    case 5: f.template operator()<5>(); break;
-    case 6: f.template operator()<6>(); break;
-    case 7: f.template operator()<7>(); break;
-    default: f.template operator()<8>(); break;
-  }
+  with_rows_impl(rows, f, std::make_integer_sequence<int, static_cast<int>(kSkinnyMaxRows) - 1>{});
 }
 
 // An INT8 cache's (num_blocks, block_size, Hkv) scales are per token and head (contiguous) or one per

@@ -148,7 +148,7 @@ static inline void context_slots(const int64_t* bt, int64_t max_blocks, int64_t 
 
 // A row of K or V (2 * kD bytes in bf16, kD as INT8 codes) sits apart from the next one, over blocks and
 // over heads within a token: the hardware prefetcher does not follow them, so each row's kBytes are
-// requested kAhead tokens before it is used (16 measured best of 4, 8, 16, 32).
+// requested kAhead tokens before it is used (tuned: docs/performance-notes.md#paged-decode-attention).
 constexpr int64_t kAhead = 16;
 template <int64_t kBytes>
 static inline void prefetch_row(const void* row) {
@@ -163,10 +163,9 @@ static inline void prefetch_row(const void* row) {
 //   values: each bf16 row of V splits into its even and odd elements as float32 (a shift and a mask),
 //           which accumulate apart (weighted e_t, or e_t vs[t] with kScaled) and are interleaved back once.
 // Each K and V row is loaded once for all kG heads (one head at a time re-read every row G times from
-// L1/L2), and requested kAhead tokens before its use. At 64 sequences of 192 tokens, SmolLM2's 30
-// layers went from 18.6 to 13.6 ms (bf16 cache) and from 23.6 to 17.8 ms (INT8 codes), medians of runs
-// alternating with the previous build. Every head's arithmetic is the same, in the same order, whatever
-// kG is. `sc` is scratch for kG * n scores.
+// L1/L2; docs/performance-notes.md#paged-decode-attention), and requested kAhead tokens before its use.
+// Every head's arithmetic is the same, in the same order, whatever kG is. `sc` is scratch for kG * n
+// scores.
 template <int64_t kD, bool kScaled, int kG, typename KRow, typename VRow>
 static inline void attend_heads_bf16(const c10::BFloat16* qg, KRow krow, VRow vrow, const float* ks, const float* vs,
                                      int64_t n, float fscale, float* sc, c10::BFloat16* og) {
@@ -298,10 +297,8 @@ static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, co
 //   bfloat16 q: the bfloat16 kernel's arithmetic over the scratch rows (attend_group_bf16, scaled);
 //   other q dtypes: float32 rows, q . k by FMAs, four tokens per hsum4, times the token's K scale;
 //           values sum_t (e_t vs_t) v_t, normalised once at the end.
-// The portable kernel widened every row again for every query head and reduced every dot product on
-// its own: at 64 sequences of 192 tokens (SmolLM2's 9/3 heads of 64), bfloat16 q, it took 0.75 ms per
-// layer against 0.39 here and 0.35 for a bfloat16 cache (medians of five runs alternating with the
-// previous build); float32 scratch rows instead of bfloat16 took 1.3x as long (0.42 against 0.32 ms).
+// Widening once per (sequence, kv head) into bfloat16 scratch, rather than per query head or into float32,
+// is what makes it fast (docs/performance-notes.md#paged-decode-attention).
 template <typename scalar_t, int64_t kD>
 static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Half* k_scale, const at::Half* v_scale, int64_t scale_stride,

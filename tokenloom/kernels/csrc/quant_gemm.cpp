@@ -15,24 +15,20 @@
 //     group's scales and mins (stored blocked too: r consecutive values per group) are one vector load.
 //
 // Two paths:
-//   M <= 8 (decode, speculative verification): each weight byte is read once and dotted with all M rows
+//   M <= kSkinnyMaxRows (8; decode, speculative verification): each weight byte is read once and dotted with all M rows
 //     of x, the codes never expanded. x is quantized like llama.cpp's Q8 activations: int8 per 32 inputs
 //     (int8: per 64-input chunk), xq = round(x / dx) with dx = max |x| / 127, so that vpdpbusd multiplies
 //     64 codes by 64 xq per instruction; int4's zero point adds m times the group's sum of dx xq.
-//     Weights are prefetched in software: hardware prefetchers stop at 4 KiB pages.
-//     (The int4 path dotted bf16 x with codes made bf16 before 2026-12-03: ~13 instructions per 64
-//     weights against ~4 now, and it could not keep up with memory: 1.4-1.8x slower over a decode step's layers.)
-//   M > 8 (prefill, large decode batches): the weight is expanded to bf16 (int8 per channel: the codes,
+//     Weights are prefetched in software: hardware prefetchers stop at 4 KiB pages. (Quantizing x takes
+//     far fewer instructions than widening the codes to bf16: docs/performance-notes.md#quantized-matmul.)
+//   M > kSkinnyMaxRows (prefill, large decode batches): the weight is expanded to bf16 (int8 per channel: the codes,
 //     exact, the scale applied to each dot product; grouped: d q + m rounded to bf16 once) and dotted
 //     with x exact in bf16:
 //     - M < kExpandMinRows: a tile of 32 output channels at a time, in a thread-local buffer, by a 4x4
 //       register-blocked vdpbf16ps kernel that reuses it for all M rows;
 //     - M >= kExpandMinRows: up to 16 MiB of W at once (all of a SmolLM2 layer), in a reused buffer,
-//       then one oneDNN matmul over all M rows (at::linear: AMX where the CPU has it). The tile kernel
-//       reached ~140-160 GFLOP/s: SmolLM2's 30 layers as the kept Q4_1 GGUF (int4 g32) took 97.7 ->
-//       40.1 ms at 64 rows and 684.5 -> 101.3 ms at 512 rows (the dense bf16 model with prepacked
-//       weights: 18.8 and 69.5 ms), 33.0 -> 28.8 ms at 16 rows; expanding all 106M weights costs
-//       ~25 ms, so fewer rows stay on the tile kernel.
+//       then one oneDNN matmul over all M rows (at::linear: AMX where the CPU has it), which outruns the
+//       tile kernel once enough rows pay for the expansion (docs/performance-notes.md#quantized-matmul).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -55,9 +51,9 @@ constexpr int64_t kTile = 32;  // output channels expanded per tile on the many-
 // From this many rows the many-row path expands W (kExpandBytes at a time) for oneDNN (see the header).
 constexpr int64_t kExpandMinRows = 16;
 constexpr int64_t kExpandBytes = int64_t{16} << 20;  // bf16 weight expanded per oneDNN call on that path
-constexpr int64_t kBlock = 16;  // int4 output channels per block
+constexpr int64_t kBlock = kInt4Block;  // int4 output channels per block (16)
 constexpr int64_t kPrefetchSteps = 4;  // int8 prefetch distance, in steps of NR rows
-constexpr int64_t kPrefetchBytes = 8192;  // int4 prefetch distance (best of 2-16 KiB on SmolLM2's layers)
+constexpr int64_t kPrefetchBytes = 8192;  // int4 prefetch distance (tuned: docs/performance-notes.md#quantized-matmul)
 
 inline int64_t chunk_input(int64_t p) { return 32 * ((p >> 2) & 1) + 4 * (p >> 3) + (p & 3); }
 
@@ -104,8 +100,7 @@ inline __m512 scale_pair(const at::Half* d) {
 }
 
 // int8 x, per row m and chunk c (64 inputs): xq = round(x / dx) in [-127, 127], dx = max |x| / 127
-// (widening int8 codes to bf16 instead took three conversions per 16 codes: 1.2-1.75x slower per call
-// with the weights in cache, 11% slower at 4 streams end to end).
+// (rather than widening the int8 codes to bf16: docs/performance-notes.md#quantized-matmul).
 struct QX {
   const int8_t* q;       // (M, Kp)
   const float* d;        // (M, nchunks)
@@ -572,7 +567,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = scales.size(1);
   TORCH_CHECK(scales.size(0) == N && G >= 1 && K % G == 0, "quant_linear: scales must be (N, G) with G dividing K");
   const int64_t g = K / G;
-  const int64_t Kp = (K + 63) / 64 * 64;  // K padded to whole chunks
+  const int64_t Kp = (K + kQuantChunk - 1) / kQuantChunk * kQuantChunk;  // K padded to whole chunks
   if (bits == 8) {
     TORCH_CHECK(codes.scalar_type() == at::kChar && codes.size(1) == Kp, "quant_linear: int8 codes (N, Kp)");
     TORCH_CHECK(G == 1 || g == 32 || g % 64 == 0, "quant_linear: int8 groups must be the whole row, 32 or a multiple of 64");

@@ -1,11 +1,11 @@
 // y = x @ w.T (+ bias) for a few rows of x: the matmuls of decode steps and speculative verification.
 //
-// With M <= 8 rows the product is bound by streaming w from memory. oneDNN's bf16 GEMM reaches only
-// ~55% of the bandwidth at such shapes and ATen's GEMV serves M == 1 alone, so a verification step of
-// 1 + k tokens cost ~1.8x a decode step. Here each weight row is read once and dotted with all M rows
-// of x (held in L1), with AVX512-BF16 dot products (vdpbf16ps: bf16 pairs multiplied exactly, summed in
-// float32) where the CPU has them, plain float32 arithmetic otherwise. Every output row is computed the
-// same way whatever M is, so a token's result does not depend on how many tokens share its step.
+// With M <= kSkinnyMaxRows rows the product is bound by streaming w from memory, where oneDNN's bf16
+// GEMM falls short and ATen's GEMV serves M == 1 alone (docs/performance-notes.md#few-row-matmul).
+// Here each weight row is read once and dotted with all M rows of x (held in L1), with AVX512-BF16 dot
+// products (vdpbf16ps: bf16 pairs multiplied exactly, summed in float32) where the CPU has them, plain
+// float32 arithmetic otherwise. Every output row is computed the same way whatever M is, so a token's
+// result does not depend on how many tokens share its step.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -88,7 +88,7 @@ bool skinny_available() {
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: x (M, K) and w (N, K)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "skinny_linear: bfloat16 only");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kSkinnyMaxRows, "skinny_linear: 1..8 rows");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kSkinnyMaxRows, "skinny_linear: 1..", kSkinnyMaxRows, " rows");
   TORCH_CHECK(w.is_contiguous(), "skinny_linear: contiguous weight");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0);
