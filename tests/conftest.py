@@ -139,8 +139,10 @@ class LiveServer:
         cfg = dict(model=str(model_dir), dtype="float32", kv_cache_memory="16MiB", max_model_len=256)
         cfg.update(engine)
         max_waiting = cfg.pop("max_waiting", None)
+        max_n = cfg.pop("max_n", None)
         self.metrics = ServingMetrics(name)
-        self.engine = AsyncLLMEngine.from_config(EngineConfig(**cfg), max_waiting, self.metrics.on_step)  # type: ignore[arg-type]
+        self.engine = AsyncLLMEngine.from_config(EngineConfig(**cfg), max_waiting, self.metrics.on_step,  # type: ignore[arg-type]
+                                                 max_n)  # type: ignore[arg-type]
         self.name = name
         self.receiver = None
         if role == "decode":

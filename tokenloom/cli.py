@@ -58,7 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--role {args.role} hands KV blocks over through the prefix cache: drop --no-prefix-caching")
     if args.role != "both" and config.speculative == "draft":
         raise ConfigError(f"--role {args.role} does not transfer a draft model's KV: use --speculative ngram or self")
-    engine = AsyncLLMEngine.from_config(config, max_waiting=args.max_waiting)
+    engine = AsyncLLMEngine.from_config(config, max_waiting=args.max_waiting, max_n=args.max_n)
     core = engine.engine
     freeze_gc()
     name = args.served_model_name or core.model_name
@@ -135,7 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     srv.add_argument("--served-model-name", default=None, help="the model id clients use (default: from the path)")
-    srv.add_argument("--max-waiting", type=int, default=256, help="requests allowed to queue; more get 429")
+    srv.add_argument("--max-waiting", type=int, default=256,
+                     help="sequences allowed to queue (a request counts its n); more get 429")
+    srv.add_argument("--max-n", type=int, default=128, help="the largest n (completions per request) accepted; "
+                                                          "more get 400")
     srv.add_argument("--graceful-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     srv.add_argument("--role", default="both", choices=get_args(Role),

@@ -30,6 +30,11 @@ class EngineDead(TokenloomError):
     """The engine loop crashed or was shut down; no request can be served."""
 
 
+class RequestFailed(TokenloomError):
+    """Processing one request failed inside the engine (sampling, stop checks, detokenizing). That request
+    ends with this error; the engine goes on serving the others."""
+
+
 class ModelLoadError(TokenloomError):
     """A model folder or file could not be read (missing files, bad shapes, unknown tensor type)."""
 

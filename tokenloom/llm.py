@@ -8,7 +8,7 @@ from typing import Any, Union
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.engine import LLMEngine
-from tokenloom.errors import InvalidRequest
+from tokenloom.errors import InvalidRequest, RequestFailed
 from tokenloom.outputs import CompletionOutput, RequestOutput, merge_delta
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.tokenizer import Message, Tokenizer
@@ -49,7 +49,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in prompt order, each complete."""
+        """Generate for every prompt (text or token ids); outputs in prompt order, each complete. A request
+        whose processing failed inside the engine comes back with `error` set and finish_reason "error";
+        the others are unaffected."""
         batch = self._normalise(prompts)
         params = self._params(sampling_params, len(batch))
         prios = list(priority) if priority is not None else [0] * len(batch)
@@ -96,6 +98,8 @@ class LLM:
                 for out in self.engine.step():
                     if out.request_id == rid:
                         finished = out.finished
+                        if out.error is not None:
+                            raise RequestFailed(f"request {rid} failed: {out.error}")
                         yield from out.outputs
         finally:
             if not finished:

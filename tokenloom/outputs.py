@@ -34,7 +34,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float | None = None
@@ -56,6 +56,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     extra: dict[str, object] = field(default_factory=dict)
+    error: str | None = None  # set on the final output of a request whose processing failed
 
 
 def merge_delta(prev: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
@@ -77,4 +78,5 @@ def merge_delta(prev: RequestOutput | None, delta: RequestOutput) -> RequestOutp
     prev.finished = delta.finished
     prev.metrics = delta.metrics
     prev.num_cached_tokens = delta.num_cached_tokens
+    prev.error = delta.error
     return prev

@@ -4,7 +4,9 @@ HTTP handlers (or any asyncio code) call `generate(...)` and iterate delta outpu
 the LLMEngine: it applies queued adds/aborts between steps, runs `step()`, and posts each output to the
 caller's asyncio queue. HTTP work therefore never starves the engine, and the engine never blocks the
 event loop. Leaving the iteration early (a client disconnect) aborts the request and frees its blocks.
-If a step raises, the engine is marked dead: every stream ends with `EngineDead` and new requests fail.
+A request whose processing fails inside a step (engine/scheduler.py `update`) ends alone, with
+`RequestFailed`; the engine goes on. If a step itself raises (the model's forward: shared state), the engine
+is marked dead: every stream ends with `EngineDead` and new requests fail.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any, TypeVar
 from tokenloom.config import EngineConfig
 from tokenloom.engine.engine import LLMEngine
 from tokenloom.engine.sequence import Request
-from tokenloom.errors import EngineDead, InvalidRequest, Overloaded
+from tokenloom.errors import EngineDead, InvalidRequest, Overloaded, RequestFailed
 from tokenloom.models.config import ModelConfig
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
@@ -68,7 +70,8 @@ class ModelInfo:
                    sum(p.numel() for p in loaded.model.parameters()))
 
 
-_Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
+# A caller's stream: its event loop, its queue and the number of sequences its request runs (n).
+_Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]", int]
 T = TypeVar("T")
 StepHook = Callable[[LLMEngine, list[RequestOutput]], None]  # runs on the engine thread after each step
 
@@ -79,6 +82,7 @@ class AsyncLLMEngine:
         engine: LLMEngine | Callable[[], LLMEngine],
         max_waiting: int | None = None,
         on_step: StepHook | None = None,
+        max_n: int | None = None,
     ) -> None:
         """`engine`: a built LLMEngine, or (better) a factory the loop thread calls to build it there.
 
@@ -86,14 +90,17 @@ class AsyncLLMEngine:
         runs a parallel region, and a second pool (model loaded on one thread, stepped on another)
         oversubscribes the cores; libgomp then throttles its spin-waits and single-stream decode runs at
         about half speed on a 2-core machine (docs/performance-notes.md#openmp-thread-pools).
-        `max_waiting`: how many requests may wait beyond the `max_num_seqs` that run at once; more are
-        refused with Overloaded (the HTTP layer's 429). `on_step` sees every step's outputs (and the final
-        output of each aborted request): the metrics hook."""
+        `max_waiting`: how many sequences may wait beyond the `max_num_seqs` that run at once (a request
+        counts its n sequences); more are refused with Overloaded (the HTTP layer's 429). `max_n`: the
+        largest n one request may ask for (InvalidRequest beyond it). `on_step` sees every step's outputs
+        (and the final output of each aborted request): the metrics hook."""
         self.max_waiting = max_waiting
+        self.max_n = max_n
         self.on_step = on_step
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()  # guards _streams and _dead across the two threads
+        self._num_seqs = 0  # sequences of the requests in _streams: what admission counts
+        self._lock = threading.Lock()  # guards _streams, _num_seqs and _dead across the two threads
         self._dead: BaseException | None = None
         self._ids = itertools.count()
         self._ready = threading.Event()
@@ -107,10 +114,11 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_config(
-        cls, config: EngineConfig, max_waiting: int | None = None, on_step: StepHook | None = None
+        cls, config: EngineConfig, max_waiting: int | None = None, on_step: StepHook | None = None,
+        max_n: int | None = None,
     ) -> "AsyncLLMEngine":
         """Load the model and run the engine on the loop thread."""
-        return cls(lambda: LLMEngine(config), max_waiting, on_step)
+        return cls(lambda: LLMEngine(config), max_waiting, on_step, max_n)
 
     # -- caller side (any thread with an asyncio loop) --------------------------------------------
 
@@ -151,6 +159,8 @@ class AsyncLLMEngine:
         """Yield delta outputs until the request finishes. Validation errors raise before anything runs."""
         if not self.is_alive:
             raise EngineDead(f"the engine is not running ({self._dead!r})")
+        if self.max_n is not None and params.n > self.max_n:
+            raise InvalidRequest(f"n must be at most {self.max_n} on this server (--max-n), got {params.n}", "n")
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         # Validated and copied here, once: process_request reads nothing a step changes.
         req = self.engine.process_request(prompt_token_ids, params, rid, prompt, priority)
@@ -158,10 +168,13 @@ class AsyncLLMEngine:
         with self._lock:
             if rid in self._streams:
                 raise InvalidRequest(f"request id {rid!r} is already in use", "request_id")
-            running = len(self._streams)
-            if self.max_waiting is not None and running - self.engine.config.max_num_seqs >= self.max_waiting:
-                raise Overloaded(f"{running} requests in flight; the queue of {self.max_waiting} is full")
-            self._streams[rid] = (asyncio.get_running_loop(), q)
+            # Sequences, not requests, count: a request with n = 100 occupies what 100 requests would.
+            limit = None if self.max_waiting is None else self.engine.config.max_num_seqs + self.max_waiting
+            if limit is not None and self._num_seqs + params.n > limit:
+                raise Overloaded(f"{self._num_seqs} sequences in flight; {params.n} more would overfill the "
+                                 f"{self.engine.config.max_num_seqs} running and {self.max_waiting} waiting")
+            self._streams[rid] = (asyncio.get_running_loop(), q, params.n)
+            self._num_seqs += params.n
         self._inbox.put(_Add(req))
         finished = False
         try:
@@ -179,7 +192,7 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            self._streams.pop(request_id, None)
+            self._drop(request_id)
         self._inbox.put(_Abort(request_id))
 
     def call_soon(self, fn: Callable[[LLMEngine], T]) -> "concurrent.futures.Future[T]":
@@ -235,7 +248,7 @@ class AsyncLLMEngine:
                     self._apply(cmd)
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
                 for out in outputs:
-                    self._post(out.request_id, out)
+                    self._post(out.request_id, RequestFailed(out.error) if out.error is not None else out)
                 self._hook(outputs)
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine; callers must hear of it
             log.exception("engine loop died")
@@ -272,21 +285,28 @@ class AsyncLLMEngine:
         with self._lock:
             stream = self._streams.get(request_id)
             if stream is not None and (isinstance(item, BaseException) or item.finished):
-                del self._streams[request_id]
+                self._drop(request_id)
         if stream is None:
             return
-        loop, q = stream
+        loop, q, _ = stream
         try:
             loop.call_soon_threadsafe(q.put_nowait, item)
         except RuntimeError:  # the caller's event loop is closed: nobody is listening
             pass
+
+    def _drop(self, request_id: str) -> None:
+        """Forget a stream (call with the lock held)."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._num_seqs -= stream[2]
 
     def _fail(self, err: BaseException) -> None:
         with self._lock:
             self._dead = err
             streams = list(self._streams.items())
             self._streams.clear()
-        for rid, (loop, q) in streams:
+            self._num_seqs = 0
+        for rid, (loop, q, _) in streams:
             try:
                 loop.call_soon_threadsafe(q.put_nowait, err)
             except RuntimeError:

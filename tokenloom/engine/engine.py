@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import time
 
 import torch
@@ -25,6 +26,7 @@ from tokenloom.outputs import CompletionOutput, RequestOutput
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.spec.verify import verify_batch
 
+log = logging.getLogger("tokenloom.engine")
 
 def freeze_gc() -> None:
     """For a process that holds its engine for life (serve, benchmarks): moves every object alive now
@@ -96,6 +98,10 @@ class LLMEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequest(f"priority must be an integer, got {priority!r}", "priority")
         max_tokens = self.validate_prompt(prompt_token_ids, params)
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"stop token id {bad} is outside the vocabulary [0, {vocab})", "stop_token_ids")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         prompt_ids = list(prompt_token_ids)  # the engine's one copy, shared by the n sequences
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._stop_ids)
@@ -146,16 +152,21 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self._abort_seqs(req)
         outs = []
+        for seq in req.seqs:
+            delta = take_delta(seq, True)
+            if delta is not None:
+                outs.append(delta)
+        return self._request_output(req, outs, finished=True)
+
+    def _abort_seqs(self, req: Request) -> None:
+        """Finish every unfinished sequence of `req` as aborted and free its blocks."""
         for seq in req.seqs:
             if not seq.status.finished:
                 seq.output.finish_reason = "abort"
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
                 self.stats.record_finished(seq)
-            delta = take_delta(seq, True)
-            if delta is not None:
-                outs.append(delta)
-        return self._request_output(req, outs, finished=True)
 
     def get_stats(self) -> dict[str, float]:
         """Counters since start: steps, tokens, preemptions, prefix cache (tokens) and KV blocks."""
@@ -190,16 +201,41 @@ class LLMEngine:
             if seqs:
                 self.proposer.propose(seqs, ks)
                 self.scheduler.release_drafts(seqs)
-        touched = dict.fromkeys(seq.request_id for seq in update.sampled)  # in batch order, once each
+        for seq in update.failed:  # a request fails whole: its other sequences stop too
+            self._abort_seqs(self.requests[seq.request_id])
+        # Requests with news, in batch order, once each.
+        touched = dict.fromkeys(seq.request_id for seq in update.sampled + update.failed)
         return [o for o in (self._collect(self.requests[rid]) for rid in touched) if o is not None]
 
     def _sample(self, batch: ScheduledBatch, rows: list[int], logits: torch.Tensor | None) -> SamplerOutput:
         """Batch row -> its new tokens: one sampled token, or the verified run of a speculating sequence."""
         if logits is None:
             return SamplerOutput([None] * len(batch.seqs), [None] * len(batch.seqs))
-        args = self.sampler.prepare(batch.seqs, rows)
-        out = self.sampler.sample(args, logits)
-        out.verified = verify_batch(args, logits, self.sampler)
+        try:
+            args = self.sampler.prepare(batch.seqs, rows)
+            out = self.sampler.sample(args, logits)
+            out.verified = verify_batch(args, logits, self.sampler)
+            return out
+        except Exception:  # noqa: BLE001 - find the sequence(s) at fault; the others keep their tokens
+            log.exception("sampling a batch failed; sampling its sequences one by one")
+            return self._sample_each(batch, rows, logits)
+
+    def _sample_each(self, batch: ScheduledBatch, rows: list[int], logits: torch.Tensor) -> SamplerOutput:
+        """Sample each sequence alone (its own logits rows): one whose sampling raises fails alone."""
+        out = SamplerOutput([None] * len(batch.seqs), [None] * len(batch.seqs))
+        spans: dict[int, list[int]] = {}  # batch row -> its logits rows (consecutive)
+        for r, b in enumerate(rows):
+            spans.setdefault(b, []).append(r)
+        for b, rs in spans.items():
+            try:
+                one = self.sampler.prepare(batch.seqs, [b] * len(rs))
+                part = logits[rs[0] : rs[-1] + 1]
+                got = self.sampler.sample(one, part)
+                got.verified = verify_batch(one, part, self.sampler)
+                out.merge(got)
+            except Exception as e:  # noqa: BLE001 - this sequence's own fault
+                log.exception("sampling sequence %s failed; its request ends with an error", batch.seqs[b].seq_id)
+                out.failed[b] = f"{type(e).__name__}: {e}"
         return out
 
     def _collect(self, req: Request) -> RequestOutput | None:
@@ -224,4 +260,5 @@ class LLMEngine:
             finished=finished,
             metrics=request_metrics(req),
             num_cached_tokens=req.seqs[0].num_cached_tokens or 0,
+            error=next((s.output.error for s in req.seqs if s.output.error is not None), None),
         )

@@ -86,6 +86,15 @@ class SamplerOutput:
     token_ids: list[int | None]  # (S,) the token of each plain row; None: no token (mid-prompt) or verifying
     logprobs: list[TokenLogprob | None]  # (S,) that token's logprob, where the request asked
     verified: dict[int, Verified] = field(default_factory=dict)  # batch row -> run, for verifying rows
+    failed: dict[int, str] = field(default_factory=dict)  # batch row -> why sampling it raised
+
+    def merge(self, other: SamplerOutput) -> None:
+        """Take `other`'s rows (a sampling of other rows of the same batch)."""
+        for b, t in enumerate(other.token_ids):
+            if t is not None:
+                self.token_ids[b], self.logprobs[b] = t, other.logprobs[b]
+        self.verified.update(other.verified)
+        self.failed.update(other.failed)
 
 
 class Sampler:

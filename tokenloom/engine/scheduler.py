@@ -18,13 +18,17 @@ cache) or were reserved for rejected drafts (returned), and the finished sequenc
 from __future__ import annotations
 
 import heapq
+import logging
 from dataclasses import dataclass, field
 
 from tokenloom.engine.kv_cache_manager import KVCacheManager
 from tokenloom.engine.output_processor import OutputProcessor
-from tokenloom.engine.sampler import SamplerOutput
+from tokenloom.engine.sampler import SamplerOutput, Verified
 from tokenloom.engine.sequence import Sequence, SequenceStatus
+from tokenloom.outputs import TokenLogprob
 from tokenloom.spec.verify import can_speculate
+
+log = logging.getLogger("tokenloom.engine")
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class StepUpdate:
     sampled: list[Sequence] = field(default_factory=list)  # sequences that got new tokens, in batch order
     num_sampled: int = 0  # tokens appended, over all of them
     finished: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)  # of those, the ones whose processing raised
     drafts: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per verifying sequence
 
 
@@ -66,38 +71,46 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.running: list[Sequence] = []  # admission order
-        self._waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, arrival_order, seq)
+        # Heap of (priority, arrival_order, seq). A sequence finished while waiting (aborted) stays in it
+        # until it reaches the top and is dropped there: aborting n waiting sequences is O(n), not
+        # a heap rebuild each. Invariant: _num_waiting == entries whose seq is WAITING.
+        self._waiting: list[tuple[int, int, Sequence]] = []
+        self._num_waiting = 0
         self.num_preemptions = 0
 
     # -- queue management -------------------------------------------------------------------
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return self._num_waiting
 
     @property
     def num_running(self) -> int:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.running or self._waiting)
+        return bool(self.running or self._num_waiting)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         heapq.heappush(self._waiting, (seq.priority, seq.arrival_order, seq))
+        self._num_waiting += 1
 
     def waiting(self) -> list[Sequence]:
-        return [entry[2] for entry in sorted(self._waiting)]
+        return [entry[2] for entry in sorted(self._waiting) if entry[2].status is SequenceStatus.WAITING]
+
+    def _next_waiting(self) -> Sequence | None:
+        """The first waiting sequence in (priority, arrival) order, dropping finished ones from the top."""
+        while self._waiting and self._waiting[0][2].status is not SequenceStatus.WAITING:
+            heapq.heappop(self._waiting)
+        return self._waiting[0][2] if self._waiting else None
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End a sequence (stopped, length, aborted), wherever it is, and free its blocks at once."""
-        if seq in self.running:
+        if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        else:
-            before = len(self._waiting)
-            self._waiting = [e for e in self._waiting if e[2] is not seq]
-            if len(self._waiting) != before:
-                heapq.heapify(self._waiting)
+        elif seq.status is SequenceStatus.WAITING:
+            self._num_waiting -= 1  # its heap entry is dropped when it reaches the top
         self.kv.free(seq)
         seq.status = status
 
@@ -144,13 +157,16 @@ class Scheduler:
 
         # Waiting sequences, unless this step already had to preempt (no room to grow). Each starts
         # after the longest prefix of its tokens already in the cache.
-        while not preempted and self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self._waiting[0][2]
+        while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self._next_waiting()
+            if seq is None:
+                break
             cached = self.kv.find_cached_prefix(seq)
             n = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
             if not self.kv.allocate_slots(seq, n, cached):
                 break
             heapq.heappop(self._waiting)
+            self._num_waiting -= 1
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled[id(seq)] = (seq, n)
@@ -170,39 +186,58 @@ class Scheduler:
         result = StepUpdate([seq.num_computed_tokens < seq.prompt_len for seq in batch.seqs])
         finished: list[tuple[Sequence, SequenceStatus]] = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            run = sampled.verified.get(i)
-            token = sampled.token_ids[i]
-            status = None
-            if run is not None:  # verified k drafts: K/V is valid for the accepted ones and the last token
-                seq.num_computed_tokens += 1 + run.num_accepted
-                result.drafts.append((len(seq.spec.token_ids), run.num_accepted))
-                for t, lp in zip(run.token_ids, run.logprobs):
-                    result.num_sampled += 1
-                    status = output.append(seq, t, lp)
-                    if status is not None:
-                        break
-                # A stop inside the accepted run leaves computed tokens past the end: never count those.
-                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            if i in sampled.failed:
+                status: SequenceStatus | None = self._failed(seq, sampled.failed[i], result)
             else:
-                seq.num_computed_tokens += n
-                if token is not None:
-                    result.num_sampled += 1
-                    status = output.append(seq, token, sampled.logprobs[i])
-            if run is not None or token is not None:
-                result.sampled.append(seq)
-            # Drafts are verified or void after any step the sequence took part in (the scheduler may
-            # have cut them to none); the draft model's cache is valid only up to what the target
-            # computed, and slots reserved for drafts past the sequence's tokens go back to the pool.
-            seq.spec.draft_num_computed = min(seq.spec.draft_num_computed, seq.num_computed_tokens)
-            seq.spec.clear()
-            self.kv.trim(seq)
-            self.kv.cache_full_blocks(seq)
+                try:
+                    status = self._settle(seq, n, sampled.verified.get(i), sampled.token_ids[i], sampled.logprobs[i],
+                                          output, result)
+                except Exception as e:  # noqa: BLE001 - one sequence's fault (detokenizing, a stop check) is its own
+                    log.exception("sequence %s failed; its request ends with an error", seq.seq_id)
+                    status = self._failed(seq, f"{type(e).__name__}: {e}", result)
             if status is not None:
                 finished.append((seq, status))
         for seq, status in finished:  # after the loop: no block is freed while others still cache theirs
             self.finish(seq, status)
             result.finished.append(seq)
         return result
+
+    @staticmethod
+    def _failed(seq: Sequence, why: str, result: StepUpdate) -> SequenceStatus:
+        seq.output.finish_reason, seq.output.error = "error", why
+        seq.spec.clear()
+        result.failed.append(seq)
+        return SequenceStatus.FINISHED_ERROR
+
+    def _settle(self, seq: Sequence, n: int, run: Verified | None, token: int | None, logprob: TokenLogprob | None,
+                output: OutputProcessor, result: StepUpdate) -> SequenceStatus | None:
+        """One sequence's part of `update`; returns its finishing status, if it finished."""
+        status = None
+        if run is not None:  # verified k drafts: K/V is valid for the accepted ones and the last token
+            seq.num_computed_tokens += 1 + run.num_accepted
+            result.drafts.append((len(seq.spec.token_ids), run.num_accepted))
+            for t, lp in zip(run.token_ids, run.logprobs):
+                result.num_sampled += 1
+                status = output.append(seq, t, lp)
+                if status is not None:
+                    break
+            # A stop inside the accepted run leaves computed tokens past the end: never count those.
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        else:
+            seq.num_computed_tokens += n
+            if token is not None:
+                result.num_sampled += 1
+                status = output.append(seq, token, logprob)
+        if run is not None or token is not None:
+            result.sampled.append(seq)
+        # Drafts are verified or void after any step the sequence took part in (the scheduler may
+        # have cut them to none); the draft model's cache is valid only up to what the target
+        # computed, and slots reserved for drafts past the sequence's tokens go back to the pool.
+        seq.spec.draft_num_computed = min(seq.spec.draft_num_computed, seq.num_computed_tokens)
+        seq.spec.clear()
+        self.kv.trim(seq)
+        self.kv.cache_full_blocks(seq)
+        return status
 
     def reserve_drafts(self, k_max: int) -> tuple[list[Sequence], list[int]]:
         """The decoding sequences that may speculate next step and how many draft tokens each (at most

@@ -26,10 +26,11 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # processing this sequence raised; its request fails alone
 
     @property
     def finished(self) -> bool:
-        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class OutputState:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # why processing failed (FINISHED_ERROR)
 
 
 @dataclass(eq=False)  # identity semantics: the scheduler looks sequences up in its queues

@@ -71,6 +71,7 @@ def add_cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds the workers get to come up")
     p.add_argument("--served-model-name", default=None, help="passed to every worker")
     p.add_argument("--max-waiting", type=int, default=256, help="passed to every worker")
+    p.add_argument("--max-n", type=int, default=128, help="passed to every worker")
     _router_args(p, default_port=8000)
     add_engine_args(p)
     p.set_defaults(func=_run_cluster)
@@ -87,7 +88,8 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     """The `tokenloom serve` flags every cluster worker gets: the engine flags given to `cluster` (those
     that differ from their defaults) and the serving flags workers share with the router."""
     argv = engine_argv(args)
-    argv += ["--max-waiting", str(args.max_waiting), "--graceful-timeout", str(args.graceful_timeout)]
+    argv += ["--max-waiting", str(args.max_waiting), "--max-n", str(args.max_n),
+             "--graceful-timeout", str(args.graceful_timeout)]
     if args.served_model_name is not None:
         argv += ["--served-model-name", args.served_model_name]
     if args.api_key is not None:
