@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from tokenloom.errors import InvalidRequest
 
 MAX_LOGPROBS = 20  # the OpenAI API's top_logprobs ceiling
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds and token ids must fit torch's int64
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ class SamplingParams:
                 raise bad(name, "must be in [-2, 2]")
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", "must be an integer")
+        if self.seed is not None and not (INT64_MIN <= self.seed and self.seed + self.n - 1 <= INT64_MAX):
+            # The i-th of n completions is seeded with seed + i: each must fit a 64-bit generator seed.
+            raise bad("seed", f"must be in [{INT64_MIN}, {INT64_MAX} - (n - 1)] (seed + i seeds the i-th of n)")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -70,8 +74,8 @@ class SamplingParams:
             )
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative integers")
+        if not all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative 64-bit integers")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
 

@@ -14,11 +14,12 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenloom.config import Role
 from tokenloom.engine.async_engine import AsyncLLMEngine
-from tokenloom.errors import TokenloomError
+from tokenloom.errors import InvalidRequest, TokenloomError
 from tokenloom.serve.errors import Unauthorized, error_body, error_response
 from tokenloom.serve.frontend import Frontend
 from tokenloom.serve.kv_api import router as kv_router
@@ -37,7 +38,7 @@ def _ollama_style(request: Request) -> bool:
 def _to_ollama(resp: JSONResponse) -> JSONResponse:
     """Ollama clients expect {"error": "message"} with the same status code."""
     body = json.loads(resp.body)
-    keep = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
+    keep = {k: v for k, v in resp.headers.items() if k.lower() in ("retry-after", "allow")}
     return JSONResponse({"error": body["error"]["message"]}, status_code=resp.status_code, headers=keep)
 
 
@@ -88,10 +89,31 @@ def build_app(
         # FastAPI says 422; the OpenAI API says 400 with the offending field in `param`.
         errs = exc.errors()
         first = errs[0] if errs else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        msg = f"{param or 'body'}: {first.get('msg', 'invalid request body')}"
+        cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, InvalidRequest):  # a body validator's own error names its field's whole path
+            return fail(request, cause)
+        if first.get("type") == "json_invalid":
+            param, msg = None, f"the body is not valid JSON: {cause or 'decode error'}"
+        else:
+            loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+            param = ".".join(loc) or None
+            msg = f"{param or 'body'}: {first.get('msg', 'invalid request body')}"
         resp = JSONResponse(error_body(msg, "invalid_request_error", param, 400), status_code=400)
+        return _to_ollama(resp) if _ollama_style(request) else resp
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # Starlette's own answers (unknown path 404, wrong method 405, an unreadable body 400: invalid UTF-8,
+        # JSON nested too deep) in the same error shape as every other error, not {"detail": ...}.
+        etype = {404: "not_found_error", 405: "method_not_allowed", 401: "authentication_error",
+                 413: "request_too_large"}.get(exc.status_code, "invalid_request_error")
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404 and detail == "Not Found":
+            detail = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            detail = f"method {request.method} is not allowed on {request.url.path}"
+        resp = JSONResponse(error_body(detail, etype, None, exc.status_code), status_code=exc.status_code,
+                            headers=exc.headers)
         return _to_ollama(resp) if _ollama_style(request) else resp
 
     @app.get("/health")

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import pydantic
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, StrictFloat, model_validator
 
 from tokenloom.disagg.blocks import KVLayout, KVTransferError, export_prefix
 from tokenloom.disagg.transfer import send_blocks
@@ -24,16 +24,25 @@ from tokenloom.errors import InvalidRequest
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.serve.errors import error_body
 from tokenloom.serve.frontend import Frontend
-from tokenloom.serve.protocol import ChatCompletionRequest, CompletionRequest
+from tokenloom.serve.protocol import ChatCompletionRequest, CompletionRequest, check_utf8
 
 router = APIRouter()
+
+
+MAX_TIMEOUT = 600.0  # seconds; the transfer's timeout must be in (0, MAX_TIMEOUT]
 
 
 class PrefillRequest(BaseModel):
     endpoint: Literal["/v1/completions", "/v1/chat/completions"]
     request: dict[str, Any]  # the client's body, as it will be sent to the decode worker
     kv_target: str  # the decode worker's KV receiver, tcp://host:port (its /health says)
-    timeout: float = 30.0
+    # Seconds for the block transfer: finite, > 0 and at most MAX_TIMEOUT (NaN, inf, 1e300, -1 are 400s).
+    timeout: StrictFloat = Field(30.0, gt=0, le=MAX_TIMEOUT, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _utf8(self) -> "PrefillRequest":
+        check_utf8(self.kv_target, "kv_target")
+        return self
 
 
 @router.post("/internal/kv/prefill")
@@ -50,7 +59,13 @@ async def prefill(body: PrefillRequest, request: Request) -> Any:
             comp = CompletionRequest.model_validate(body.request)
             model, prompts = comp.model, fe.completion_prompts(comp.prompt)[1]
     except pydantic.ValidationError as e:
-        raise InvalidRequest(f"request: {e.errors()[0].get('msg', 'invalid')}", "request") from e
+        first = e.errors()[0]
+        cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, InvalidRequest):  # e.g. a lone surrogate: name the inner field
+            raise InvalidRequest(str(cause), f"request.{cause.field}" if cause.field else "request") from e
+        loc = ".".join(str(p) for p in first.get("loc", ()))
+        param = f"request.{loc}" if loc else "request"
+        raise InvalidRequest(f"{param}: {first.get('msg', 'invalid')}", param) from e
     fe.check_model(model)
     start = time.monotonic()
     sent = written = present = nbytes = 0
