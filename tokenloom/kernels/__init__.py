@@ -10,15 +10,31 @@ the test oracle and the path on CUDA.
 All sources build into one module: the first load compiles (about two minutes on 2 cores) into torch's
 extension cache; later loads take milliseconds. When no compiler is available the loader returns None
 and callers use the torch path. The numbers both sides rely on (row limits, code layout) come from
-limits.py, passed to the compiler as -D flags; the build is named after them.
+limits.py, passed to the compiler as -D flags; the build is named after them and after a hash of the
+csrc/ files and the compiler flags, so two checkouts with different sources never share a build folder.
+
+Builders serialize on an flock of their own (build_lock) with a bounded wait, logging while they wait.
+The kernel lock dies with its holder, so once it is held any torch `lock` file in the build folder was
+left by a dead build and is removed (torch's own lock has no timeout: a stale one hung every start-up).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import logging
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; builds then rely on torch's own lock alone
+    fcntl = None  # type: ignore[assignment]
 
 from tokenloom.kernels.limits import build_tag, compiler_defines
 
@@ -31,20 +47,117 @@ _SOURCES = ("bindings.cpp", "paged_decode.cpp", "kv_write.cpp", "elementwise.cpp
             "quant_gemm.cpp", "decode_stack.cpp")
 
 
+# How long a start-up waits for another process's kernel build before using the torch path instead.
+BUILD_LOCK_TIMEOUT_S = 600.0
+_LOCK_NAME = "tokenloom-build.lock"  # ours (flock); torch's FileBaton file in the same folder is "lock"
+
+
+def _cflags() -> list[str]:
+    # -march=native: built on the machine that runs it. -fno-math-errno lets exp() vectorise.
+    return ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", *compiler_defines()]
+
+
+_LDFLAGS = ("-fopenmp",)  # a tuple: torch's load appends its own flags to the list it is given
+
+
+def source_hash(csrc: Path, flags: Sequence[str]) -> str:
+    """12 hex digits of a hash over every file in `csrc` (names and contents) and the compiler flags."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in csrc.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        h.update(f.relative_to(csrc).as_posix().encode() + b"\0")
+        h.update(f.read_bytes())
+        h.update(b"\0")
+    for flag in flags:
+        h.update(flag.encode() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def build_name(csrc: Path = _CSRC, flags: Sequence[str] | None = None) -> str:
+    """The extension's name, hence its build folder: the sources' and flags' hash, then the shared
+    limits' tag (a build made from other sources or with other values is never reused)."""
+    flags = [*_cflags(), *_LDFLAGS] if flags is None else flags
+    return f"tokenloom_cpu_kernels_{source_hash(csrc, flags)}_{build_tag()}"
+
+
+def extensions_root() -> Path:
+    """The folder torch's JIT loader builds extensions in (TORCH_EXTENSIONS_DIR, else its default)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root)
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    cu = "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
+    py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{py}_{cu}"
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path, timeout_s: float = BUILD_LOCK_TIMEOUT_S, poll_s: float = 0.2,
+               report_every_s: float = 5.0) -> Iterator[bool]:
+    """Hold the kernel build lock of `build_dir` for the block; yields False when `timeout_s` passed first.
+
+    The lock is an flock, released by the kernel when its holder dies, so it is never stale. Every
+    builder takes it before torch's `load`, so while it is held a torch `lock` file in `build_dir` was
+    left by a build that died (or was killed) mid-way: it is removed, or torch would wait on it forever.
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield True
+        return
+    lock_path = build_dir / _LOCK_NAME
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        start = last_report = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                now = time.monotonic()
+                if now - start >= timeout_s:
+                    log.warning("gave up after %.0f s waiting for the kernel build lock held by another "
+                                "process at %s", now - start, lock_path)
+                    yield False
+                    return
+                if now - last_report >= report_every_s:
+                    log.warning("waiting for the kernel build lock held by another process at %s "
+                                "(%.0f s so far)", lock_path, now - start)
+                    last_report = now
+                time.sleep(poll_s)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing the stale torch build lock %s left by an interrupted kernel build", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 @functools.cache
-def load_cpu_kernels() -> ModuleType | None:
+def load_cpu_kernels(lock_timeout_s: float = BUILD_LOCK_TIMEOUT_S) -> ModuleType | None:
+    """The kernel module, built on first use; None (callers use the torch path) when it cannot be built
+    or another process's build holds the build lock for longer than `lock_timeout_s`."""
     try:
         from torch.utils.cpp_extension import load
 
-        return load(
-            # Named after the shared limits' values: a build made with other values is never reused.
-            name=f"tokenloom_cpu_kernels_{build_tag()}",
-            sources=[str(_CSRC / f) for f in _SOURCES],
-            # -march=native: built on the machine that runs it. -fno-math-errno lets exp() vectorise.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", *compiler_defines()],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        name = build_name()
+        build_dir = extensions_root() / name
+        with build_lock(build_dir, lock_timeout_s) as locked:
+            if not locked:
+                log.warning("CPU kernels unavailable (build lock not acquired); using the torch path")
+                return None
+            return load(
+                name=name,
+                sources=[str(_CSRC / f) for f in _SOURCES],
+                extra_cflags=_cflags(),
+                extra_ldflags=list(_LDFLAGS),
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except Exception as e:  # a missing compiler or ninja must not stop the engine: fall back to torch
         log.warning("CPU kernels unavailable (%s); using the torch SDPA path for decode attention", e)
         return None

@@ -108,7 +108,27 @@ class ModelConfig:
         path = folder / "config.json"
         if not path.is_file():
             raise ModelLoadError(f"{folder}: no config.json (not a Hugging Face model folder)")
-        return cls.from_hf_dict(json.loads(path.read_text()))
+        cfg = read_config_json(folder)
+        try:
+            return cls.from_hf_dict(cfg)
+        except KeyError as e:
+            raise ModelLoadError(f"{path}: missing field {e}") from e
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise ModelLoadError(f"{path}: invalid field value ({e})") from e
+
+
+def read_config_json(folder: Path) -> dict[str, Any]:
+    """`folder`/config.json as a dict; ModelLoadError (one line, naming the file) when it is not one."""
+    path = folder / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: invalid JSON ({e})") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: cannot read ({e})") from e
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 def parse_rope_scaling(d: dict[str, Any]) -> RopeScaling:

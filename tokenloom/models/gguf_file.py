@@ -85,8 +85,27 @@ def read_gguf(path: Path) -> GGUFFile:
         raise ModelLoadError(f"{path}: cannot read GGUF file: {e}") from e
     try:
         return _parse(Path(path), mm)
-    except (struct.error, UnicodeDecodeError, IndexError) as e:
+    # Every read is bounds-checked (_Malformed); the rest is a corrupted value that got past the checks.
+    except (struct.error, UnicodeDecodeError, IndexError, ValueError, TypeError, OverflowError,
+            ZeroDivisionError, MemoryError) as e:
         raise ModelLoadError(f"{path}: malformed or truncated GGUF header ({e})") from e
+
+
+class _Malformed(ValueError):
+    """A count or length in the header that the file cannot hold (read_gguf adds the path)."""
+
+
+# The fewest bytes one item can take: a kv pair (key length, value type, a 1-byte value), a tensor
+# info (name length, n_dims, ggml type, offset), and an array element of a non-scalar type.
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
+_MAX_DIMS = 8  # ggml has 4
+
+
+def _need(mm: mmap.mmap, off: int, n: int, what: str) -> None:
+    """Raise _Malformed unless `n` bytes from `off` lie inside the file."""
+    if n < 0 or off + n > len(mm):
+        raise _Malformed(f"{what} needs {n} bytes at offset {off}, but the file has {len(mm)} (truncated?)")
 
 
 def _parse(path: Path, mm: mmap.mmap) -> GGUFFile:
@@ -97,24 +116,37 @@ def _parse(path: Path, mm: mmap.mmap) -> GGUFFile:
         raise ModelLoadError(f"{path}: big-endian GGUF files are not supported")
     if version not in (2, 3):
         raise ModelLoadError(f"{path}: unsupported GGUF version {version}")
+    _need(mm, 8, 16, "the tensor and metadata counts")
     n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
     off = 24
+    # Checked before any loop runs: a corrupted count must not spin for ages or allocate the impossible.
+    if n_kv * _MIN_KV_BYTES > len(mm) - off:
+        raise _Malformed(f"metadata count {n_kv} cannot fit in a {len(mm)}-byte file")
+    if n_tensors * _MIN_TENSOR_INFO_BYTES > len(mm) - off:
+        raise _Malformed(f"tensor count {n_tensors} cannot fit in a {len(mm)}-byte file")
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key, off = _read_str(mm, off)
+        _need(mm, off, 4, f"the value type of metadata key {key!r}")
         (vtype,) = _U32.unpack_from(mm, off)
         metadata[key], off = _read_value(mm, off + 4, vtype)
 
     infos: list[tuple[str, tuple[int, ...], int, int]] = []
     for _ in range(n_tensors):
         name, off = _read_str(mm, off)
+        _need(mm, off, 4, f"the dimension count of tensor {name!r}")
         (n_dims,) = _U32.unpack_from(mm, off)
+        if n_dims > _MAX_DIMS:
+            raise _Malformed(f"tensor {name!r} has {n_dims} dimensions (at most {_MAX_DIMS})")
+        _need(mm, off + 4, 8 * n_dims + 12, f"the shape, type and offset of tensor {name!r}")
         dims = struct.unpack_from(f"<{n_dims}Q", mm, off + 4)
         qtype_id, rel = struct.unpack_from("<IQ", mm, off + 4 + 8 * n_dims)
         off += 4 + 8 * n_dims + 12
         infos.append((name, tuple(int(d) for d in reversed(dims)), qtype_id, rel))
 
     alignment = int(metadata.get("general.alignment", 32))
+    if alignment <= 0:
+        raise _Malformed(f"general.alignment is {alignment}")
     data_start = -(-off // alignment) * alignment
     tensors: dict[str, GGUFTensorInfo] = {}
     for name, shape, qtype_id, rel in infos:
@@ -134,7 +166,9 @@ def _parse(path: Path, mm: mmap.mmap) -> GGUFFile:
 
 
 def _read_str(mm: mmap.mmap, off: int) -> tuple[str, int]:
+    _need(mm, off, 8, "a string length")
     (n,) = _U64.unpack_from(mm, off)
+    _need(mm, off + 8, n, "a string")
     end = off + 8 + n
     return mm[off + 8 : end].decode("utf-8", errors="replace"), end
 
@@ -143,12 +177,18 @@ def _read_value(mm: mmap.mmap, off: int, vtype: int) -> tuple[Any, int]:
     if vtype == GGUFValueType.STRING:
         return _read_str(mm, off)
     if vtype == GGUFValueType.ARRAY:
+        _need(mm, off, 12, "an array header")
         itype, count = struct.unpack_from("<IQ", mm, off)
         off += 12
         if itype in _SCALAR_FORMATS:
             dt = np.dtype(_SCALAR_FORMATS[itype])
+            _need(mm, off, count * dt.itemsize, f"an array of {count} elements")
             arr = np.frombuffer(mm, dtype=dt, count=count, offset=off).copy()
             return arr, off + count * dt.itemsize
+        if itype not in (GGUFValueType.STRING, GGUFValueType.ARRAY):
+            raise _Malformed(f"unknown GGUF array element type {itype}")
+        # Each string takes at least its 8-byte length, each nested array its 12-byte header.
+        _need(mm, off, count * (8 if itype == GGUFValueType.STRING else 12), f"an array of {count} elements")
         items: list[Any] = []
         for _ in range(count):  # strings (tokens, merges) and nested arrays
             item, off = _read_value(mm, off, itype)
@@ -156,6 +196,7 @@ def _read_value(mm: mmap.mmap, off: int, vtype: int) -> tuple[Any, int]:
         return items, off
     fmt = _SCALAR_FORMATS.get(vtype)
     if fmt is None:
-        raise ModelLoadError(f"unknown GGUF metadata value type {vtype}")
+        raise _Malformed(f"unknown GGUF metadata value type {vtype}")
+    _need(mm, off, struct.calcsize(fmt), "a metadata value")
     (value,) = struct.unpack_from(fmt, mm, off)
     return value, off + struct.calcsize(fmt)

@@ -17,7 +17,7 @@ from tokenloom.attention.base import AttentionBackend
 from tokenloom.config import DType, GgufWeights
 from tokenloom.errors import ModelLoadError
 from tokenloom.kernels import load_quant_kernels
-from tokenloom.models.config import ModelConfig
+from tokenloom.models.config import ModelConfig, read_config_json
 from tokenloom.models.default import DEFAULT_MODEL_NAME, default_model_path
 from tokenloom.models.gguf import LOADABLE_DTYPES, config_from_gguf, state_dict_from_gguf
 from tokenloom.models.gguf_file import read_gguf
@@ -89,7 +89,7 @@ def load_model(
         weights: Iterator[tuple[str, torch.Tensor]] = iter(tensors.items())
     elif p.is_dir():
         config = ModelConfig.from_hf_folder(p)
-        raw = json.loads((p / "config.json").read_text())
+        raw = read_config_json(p)
         dt = resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"))
         tokenizer = Tokenizer.from_hf_folder(p)
         weights = _safetensors_weights(p)
@@ -146,7 +146,10 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
 def _safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{index}: invalid safetensors index ({e!r})") from e
     else:
         files = sorted(f.name for f in folder.glob("*.safetensors"))
     if not files:
