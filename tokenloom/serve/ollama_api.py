@@ -15,11 +15,12 @@ from datetime import datetime, timezone
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenloom import __version__
 from tokenloom.outputs import RequestOutput, merge_delta
-from tokenloom.serve.frontend import Frontend, chain, first, gather
+from tokenloom.serve.frontend import Frontend, chain, first
+from tokenloom.serve.openai_api import client_gone, gather_or_abort
 from tokenloom.serve.protocol import ChatRequest, GenerateRequest, ShowRequest, OllamaRequest
 
 router = APIRouter()
@@ -50,7 +51,7 @@ def _stats(out: RequestOutput, start: float, submitted: float) -> dict[str, Any]
 
 async def _respond(
     request: Request, body: OllamaRequest, ids: list[int], start: float, shape: str
-) -> StreamingResponse | JSONResponse:
+) -> Response:
     """Run one request; `shape` is "generate" (text in `response`) or "chat" (text in `message`)."""
     fe = _frontend(request)
     stream = fe.run([ids], [fe.ollama_params(body.options, len(ids))])
@@ -71,7 +72,10 @@ async def _respond(
         return {**piece(text, True), **stats}
 
     if not body.stream:
-        (total,) = await gather(stream, 1)
+        whole = await gather_or_abort(request, stream, 1)
+        if whole is None:
+            return client_gone()
+        (total,) = whole
         return JSONResponse(final(total, total.outputs[0].text if total.outputs else ""))
 
     head = await first(stream)  # errors before the first token stay HTTP errors

@@ -3,19 +3,20 @@ and vLLM's /tokenize and /detokenize (the benchmark lab counts prompt tokens wit
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from tokenloom.errors import InvalidRequest
 from tokenloom.outputs import RequestMetrics, RequestOutput
 from tokenloom.serve.errors import error_response
-from tokenloom.serve.frontend import Frontend, chain, first, gather
+from tokenloom.serve.frontend import Frontend, Indexed, chain, first, gather
 from tokenloom.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 router = APIRouter()
@@ -60,6 +61,43 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     return {"prompt": fe.detokenize(body.tokens)}
 
 
+CLIENT_GONE = 499  # nginx's "client closed request": the status logged for a non-streaming call its client left
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has hung up. The body is read by now, so the next ASGI message is the
+    disconnect (as StreamingResponse listens for it). `request.is_disconnected()` cannot be used: under the
+    app's http middleware (BaseHTTPMiddleware) its zero-timeout receive loses the message and never says
+    True."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def gather_or_abort(request: Request, stream: AsyncGenerator[Indexed, None],
+                          n_prompts: int) -> list[RequestOutput] | None:
+    """`gather` for the non-streaming routes, raced against the client hanging up: if it leaves first,
+    the stream is closed (which aborts its requests in the engine) and None is returned, for the caller
+    to answer `client_gone()`. Without this a request runs to max_tokens for nobody."""
+    task = asyncio.ensure_future(gather(stream, n_prompts))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        return task.result() if task.done() else None
+    finally:
+        for t in (task, gone):
+            if not t.done():
+                t.cancel()  # for `task`: thrown into the stream, whose generators close and abort
+        await asyncio.wait({task, gone})
+        for t in (task, gone):
+            if not t.cancelled():
+                t.exception()  # retrieved: raised above where it mattered
+        await stream.aclose()
+
+
+def client_gone() -> Response:
+    return Response(status_code=CLIENT_GONE)
+
+
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -79,7 +117,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         head = await first(stream)  # errors before the first token become HTTP errors
         sse = _completion_sse(head, stream, base, body, prompts, n, tok, request.state.usage)
         return StreamingResponse(sse, media_type="text/event-stream")
-    merged = await gather(stream, len(prompts))
+    merged = await gather_or_abort(request, stream, len(prompts))
+    if merged is None:
+        return client_gone()
     result = []
     for i, out in enumerate(merged):
         for c in out.outputs:
@@ -151,7 +191,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         head = await first(stream)
         sse = _chat_sse(head, stream, base, body, len(ids), tok, request.state.usage)
         return StreamingResponse(sse, media_type="text/event-stream")
-    (out,) = await gather(stream, 1)
+    whole = await gather_or_abort(request, stream, 1)
+    if whole is None:
+        return client_gone()
+    (out,) = whole
     result = []
     for c in out.outputs:
         lp = {"content": _chat_logprobs(c.logprobs or [], tok)} if body.logprobs else None
