@@ -67,12 +67,21 @@ def _serve(args: argparse.Namespace) -> int:
     print(core.capacity.describe(), file=sys.stderr)
     logging.getLogger("tokenloom.access").setLevel(logging.INFO)  # one JSON line per request, on stderr
     receiver = None
+    # The HMAC key of KV transfers (prefill: signs, decode: checks); none: a decode worker binds loopback only.
+    kv_secret = args.kv_secret or args.api_key or None
     if args.role == "decode":
         from tokenloom.disagg.transfer import KVReceiver  # ZeroMQ: loaded by decode workers only
 
-        receiver = KVReceiver(engine, args.kv_host or args.host, args.kv_port).start()
+        try:
+            receiver = KVReceiver(engine, args.kv_host or args.host, args.kv_port, secret=kv_secret).start()
+        except BaseException:
+            engine.shutdown()
+            raise
         print(f"KV receiver on {receiver.address}", file=sys.stderr)
-    app = build_app(engine, name, args.api_key, metrics, args.role, receiver.address if receiver else None)
+    app = build_app(engine, name, args.api_key, metrics, args.role, receiver.address if receiver else None,
+                    args.max_request_bytes)
+    app.state.kv_secret = kv_secret  # serve/kv_api.py signs its sends with it
+    app.state.api_key = args.api_key  # without one, only a --role prefill worker serves /internal/kv/prefill
     try:
         run_app(app, args.host, args.port, args.graceful_timeout, args.verbose)
     finally:
@@ -141,12 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "more get 400")
     srv.add_argument("--graceful-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    srv.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                     help="larger request bodies get 413 (default 8 MiB; 0: no limit)")
     srv.add_argument("--role", default="both", choices=get_args(Role),
                      help="disaggregated serving: prefill workers compute prompts and ship their KV blocks to "
                           "decode workers (the router pairs them); both: a whole server")
     srv.add_argument("--kv-host", default=None, help="decode role: address the KV receiver binds (default --host)")
     srv.add_argument("--kv-port", type=int, default=0, help="decode role: KV receiver port (0: a free one, "
                                                             "reported by /health as kv_address)")
+    srv.add_argument("--kv-secret", default=None,
+                     help="prefill/decode roles: shared secret that signs (HMAC-SHA256) every KV transfer, the same "
+                          "on prefill and decode workers (default: --api-key); a decode worker without either "
+                          "binds its KV receiver to loopback only")
     add_engine_args(srv)
     srv.set_defaults(func=_serve)
 

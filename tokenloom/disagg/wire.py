@@ -11,6 +11,10 @@ Request (prefill worker -> decode worker):
               scales, kv_scales "token", of the K and V scales), each (block_size, num_kv_heads,
               head_dim) or (block_size, num_kv_heads), C order, little-endian, in the cache's dtype.
               Per-head scales (kv_scales "head:<digest>") never travel: the digest must match.
+    last      with a shared secret (`serve --kv-secret`, or the --api-key): the 32-byte HMAC-SHA256, keyed
+              by the secret, over every frame before it, each as its 8-byte big-endian length then its bytes
+              (`sign`). A receiver with a secret checks it (`verify`, hmac.compare_digest) before it parses
+              anything else, and answers a missing or wrong one with only "unauthorized".
 Reply (decode worker -> prefill worker): one UTF-8 JSON frame,
     {"ok": true, "written": int, "present": int} or {"ok": false, "error": str}.
 
@@ -25,6 +29,7 @@ receiver also checks the layout against its own cache (`blocks.import_prefix`).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 from typing import Any
 
@@ -32,6 +37,47 @@ from tokenloom.disagg.blocks import BlockRecord, KVLayout, KVTransferError
 from tokenloom.engine.kv_cache_manager import hash_block
 
 MAGIC = b"TLKV/1"
+MAC_BYTES = 32  # HMAC-SHA256
+UNAUTHORIZED = "unauthorized"  # all a peer without the secret is told
+
+
+class KVUnauthorized(KVTransferError):
+    """A transfer without a valid HMAC (no secret, or another one)."""
+
+    def __init__(self) -> None:
+        super().__init__(UNAUTHORIZED)
+
+
+def secret_bytes(secret: str | bytes | None) -> bytes | None:
+    """The HMAC key for a secret given as text (a flag) or bytes; None or empty: no secret."""
+    if not secret:
+        return None
+    return secret.encode() if isinstance(secret, str) else bytes(secret)
+
+
+def mac(secret: bytes, frames: list[bytes]) -> bytes:
+    h = hmac.new(secret, digestmod=hashlib.sha256)
+    for f in frames:
+        h.update(len(f).to_bytes(8, "big"))
+        h.update(f)
+    return h.digest()
+
+
+def sign(frames: list[bytes], secret: bytes | None) -> list[bytes]:
+    """`frames` with their HMAC appended (unchanged without a secret)."""
+    return frames if secret is None else [*frames, mac(secret, frames)]
+
+
+def verify(frames: list[bytes], secret: bytes | None) -> list[bytes]:
+    """The frames without their HMAC, after checking it; KVUnauthorized when it is missing or wrong. Only
+    the magic is looked at before the check (no header is parsed, no layout disclosed)."""
+    if secret is None:
+        return frames
+    if len(frames) < 3 or frames[0] != MAGIC or len(frames[-1]) != MAC_BYTES:
+        raise KVUnauthorized()
+    if not hmac.compare_digest(mac(secret, frames[:-1]), frames[-1]):
+        raise KVUnauthorized()
+    return frames[:-1]
 
 
 def encode_request(layout: KVLayout, records: list[BlockRecord]) -> list[bytes]:

@@ -4,11 +4,18 @@ The router sends the client's request here (with the decode worker's KV address)
 to the decode worker. This worker computes the prompt exactly as the endpoint would tokenize it,
 reads the prompt's full KV blocks out of its cache and ships them (`disagg.transfer`). The decode
 worker then finds them in its prefix cache and computes only the last, partial block.
+
+Who may call it: a server with --api-key has every non-health path behind the key (app.py's middleware).
+Without a key, only a `--role prefill` worker serves it (a `--role both` server answers 403), so a
+default server does not compute prompts and open connections on anyone's behalf. The kv_target must be a
+tcp://host:port address (no other ZeroMQ transport); the send has a bounded timeout, and is signed with
+the worker's KV secret (`app.state.kv_secret`: --kv-secret, else --api-key), which the receiver checks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Any, Literal
 
@@ -30,6 +37,8 @@ router = APIRouter()
 
 
 MAX_TIMEOUT = 600.0  # seconds; the transfer's timeout must be in (0, MAX_TIMEOUT]
+# tcp://host:port only: a host name, IPv4 address or [IPv6] address, and a port in 1..65535.
+_KV_TARGET = re.compile(r"tcp://(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\]):([0-9]{1,5})")
 
 
 class PrefillRequest(BaseModel):
@@ -42,6 +51,9 @@ class PrefillRequest(BaseModel):
     @model_validator(mode="after")
     def _utf8(self) -> "PrefillRequest":
         check_utf8(self.kv_target, "kv_target")
+        m = _KV_TARGET.fullmatch(self.kv_target)
+        if m is None or not 1 <= int(m.group(1)) <= 65535:
+            raise InvalidRequest("kv_target: must be a decode worker's KV address, tcp://host:port", "kv_target")
         return self
 
 
@@ -67,6 +79,12 @@ async def prefill(body: PrefillRequest, request: Request) -> Any:
         param = f"request.{loc}" if loc else "request"
         raise InvalidRequest(f"{param}: {first.get('msg', 'invalid')}", param) from e
     fe.check_model(model)
+    state = request.app.state
+    if state.role != "prefill" and getattr(state, "api_key", None) is None:
+        # Validated above (so a bad body is the same 400 everywhere), refused before any work is done.
+        return JSONResponse(error_body("/internal/kv/prefill is served only by --role prefill workers (or behind "
+                                       "--api-key)", "permission_error", None, 403), status_code=403)
+    secret = getattr(state, "kv_secret", None)
     start = time.monotonic()
     sent = written = present = nbytes = 0
     layout = await engine.call(KVLayout.of)
@@ -76,7 +94,7 @@ async def prefill(body: PrefillRequest, request: Request) -> Any:
             pass
         records = await engine.call(lambda e, ids=ids: export_prefix(e, ids))
         try:
-            reply = await asyncio.to_thread(send_blocks, body.kv_target, layout, records, body.timeout)
+            reply = await asyncio.to_thread(send_blocks, body.kv_target, layout, records, body.timeout, secret)
         except KVTransferError as e:
             return JSONResponse(error_body(str(e), "kv_transfer_error", "kv_target", 502), status_code=502)
         sent += len(records)
