@@ -14,7 +14,9 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.background import BackgroundTask
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenloom.config import Role
@@ -28,7 +30,63 @@ from tokenloom.serve.ollama_api import router as ollama_router
 from tokenloom.serve.openai_api import router as openai_router
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/openapi.json"})
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # `tokenloom serve --max-request-bytes`
 access_log = logging.getLogger("tokenloom.access")
+
+
+class BodyTooLarge(StarletteHTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than the server's limit of {limit} bytes "
+                              "(--max-request-bytes)")
+
+
+class BodyLimit:
+    """413 for a request body over `limit` bytes, never buffering it: answered at once from Content-Length,
+    and for a chunked body raised from `receive` as soon as what was read passes the limit (the route's
+    body read re-raises it as an HTTPException, which the app's handler answers in the route's error shape)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.limit <= 0:
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.limit:
+            await _too_large(scope, self.limit)(scope, receive, send)
+            return
+        seen = 0
+        started = False
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise BodyTooLarge(self.limit)
+            return message
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited, watch)
+        except BodyTooLarge:  # read outside a route's own body parsing (no handler turned it into a response)
+            if started:
+                raise
+            await _too_large(scope, self.limit)(scope, receive, send)
+
+
+def _too_large(scope: Scope, limit: int) -> JSONResponse:
+    exc = BodyTooLarge(limit)
+    if str(scope.get("path", "")).startswith("/api/"):
+        return JSONResponse({"error": exc.detail}, status_code=413)
+    return JSONResponse(error_body(exc.detail, "request_too_large", None, 413), status_code=413)
 
 
 def _ollama_style(request: Request) -> bool:
@@ -44,10 +102,11 @@ def _to_ollama(resp: JSONResponse) -> JSONResponse:
 
 def build_app(
     engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, metrics: ServingMetrics | None = None,
-    role: Role = "both", kv_address: str | None = None,
+    role: Role = "both", kv_address: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """`role`: both (a whole server), prefill (also computes prompts for decode workers,
-    /internal/kv/prefill) or decode (receives KV blocks at `kv_address`, which /health reports)."""
+    /internal/kv/prefill) or decode (receives KV blocks at `kv_address`, which /health reports).
+    `max_request_bytes`: larger request bodies get 413 (0: no limit)."""
     app = FastAPI(title="tokenloom", version="0.1.0")
     app.state.engine = engine
     app.state.model_name = model_name
@@ -57,6 +116,8 @@ def build_app(
     app.include_router(openai_router)
     app.include_router(ollama_router)
     app.include_router(kv_router)
+    # Added before auth_and_log, so it runs inside it: a 413 is logged, and an unauthorized client gets 401.
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
 
     def fail(request: Request, exc: Exception) -> JSONResponse:
         resp = error_response(exc)

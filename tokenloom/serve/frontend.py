@@ -58,23 +58,38 @@ class Frontend:
             raw = [prompt]  # type: ignore[list-item]
         else:
             raw = list(prompt)  # type: ignore[arg-type]
-        ids = [self.tokenizer.encode(r) if isinstance(r, str) else r for r in raw]
+        ids = [self.encode(r) if isinstance(r, str) else r for r in raw]
         if not ids or not all(ids):
             raise InvalidRequest("prompt must not be empty", "prompt")
         return [r if isinstance(r, str) else None for r in raw], ids
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`Tokenizer.encode`, through the backend's encode_batch: its `encode` holds the GIL for the whole
+        call (seconds for a prompt of a few MB), encode_batch releases it, so that the event loop runs on
+        while a worker thread (the *_async methods) tokenizes."""
+        tok = self.tokenizer
+        ids: list[int] = tok.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        bos = tok.bos_token_id
+        if add_special_tokens and tok.add_bos_token and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        return ids
+
     def chat_ids(self, messages: Sequence[ChatMessage | Message], add_generation_prompt: bool = True) -> list[int]:
         """Chat messages through the model's chat template, as token ids."""
-        return self.tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in messages],
-                                          add_generation_prompt)
+        return self._encode_chat([{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt)
+
+    def _encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        # `Tokenizer.encode_chat`: the template writes BOS itself where the model wants one.
+        return self.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt),  # type: ignore[arg-type]
+                           add_special_tokens=False)
 
     def generate_ids(self, prompt: str, system: str | None = None, raw: bool = False) -> list[int]:
         """Ollama's /api/generate prompt: templated as one user turn (after `system`) unless `raw` or the
         model has no chat template."""
         if raw or not self.tokenizer.chat_template:
-            return self.tokenizer.encode(prompt)
+            return self.encode(prompt)
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return self.tokenizer.encode_chat(msgs)
+        return self._encode_chat(msgs)
 
     def detokenize(self, tokens: list[int]) -> str:
         vocab = self.engine.model_config.vocab_size
@@ -82,6 +97,26 @@ class Frontend:
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
         return self.tokenizer.decode(tokens)
+
+    # The same, in a worker thread: a large prompt's tokenization must not stall the event loop (/health,
+    # every other request's stream). The handlers use these; the synchronous ones stay for other callers.
+
+    async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await asyncio.to_thread(self.encode, text, add_special_tokens)
+
+    async def completion_prompts_async(self, prompt: str | list[str] | list[int] | list[list[int]]
+                                       ) -> tuple[list[str | None], list[list[int]]]:
+        return await asyncio.to_thread(self.completion_prompts, prompt)
+
+    async def chat_ids_async(self, messages: Sequence[ChatMessage | Message],
+                             add_generation_prompt: bool = True) -> list[int]:
+        return await asyncio.to_thread(self.chat_ids, messages, add_generation_prompt)
+
+    async def generate_ids_async(self, prompt: str, system: str | None = None, raw: bool = False) -> list[int]:
+        return await asyncio.to_thread(self.generate_ids, prompt, system, raw)
+
+    async def detokenize_async(self, tokens: list[int]) -> str:
+        return await asyncio.to_thread(self.detokenize, tokens)
 
     # -- max_tokens and SamplingParams ------------------------------------------------------------------
 

@@ -108,7 +108,8 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     if not body.prompt:  # Ollama answers an empty prompt by (pre)loading the model
         return JSONResponse({"model": body.model, "created_at": _now(), "response": "", "done": True,
                              "done_reason": "load"})
-    return await _respond(request, body, fe.generate_ids(body.prompt, body.system, body.raw), start, "generate")
+    ids = await fe.generate_ids_async(body.prompt, body.system, body.raw)
+    return await _respond(request, body, ids, start, "generate")
 
 
 @router.post("/api/chat")
@@ -119,7 +120,7 @@ async def chat(body: ChatRequest, request: Request) -> Any:
     if not body.messages:
         return JSONResponse({"model": body.model, "created_at": _now(), "message": {"role": "assistant", "content": ""},
                              "done": True, "done_reason": "load"})
-    return await _respond(request, body, fe.chat_ids(body.messages), start, "chat")
+    return await _respond(request, body, await fe.chat_ids_async(body.messages), start, "chat")
 
 
 def _details(fe: Frontend) -> dict[str, Any]:

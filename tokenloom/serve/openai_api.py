@@ -47,9 +47,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequest("give exactly one of prompt and messages", "prompt")
     if body.prompt is not None:
-        ids = fe.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await fe.encode_async(body.prompt, body.add_special_tokens)
     else:
-        ids = fe.chat_ids(body.messages or [], body.add_generation_prompt)
+        ids = await fe.chat_ids_async(body.messages or [], body.add_generation_prompt)
     return {"count": len(ids), "max_model_len": fe.max_model_len, "tokens": ids}
 
 
@@ -58,7 +58,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     fe = _frontend(request)
     if body.model is not None:
         fe.check_model(body.model)
-    return {"prompt": fe.detokenize(body.tokens)}
+    return {"prompt": await fe.detokenize_async(body.tokens)}
 
 
 CLIENT_GONE = 499  # nginx's "client closed request": the status logged for a non-streaming call its client left
@@ -107,7 +107,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     fe = _frontend(request)
     fe.check_model(body.model)
     served, tok = fe.model_name, fe.tokenizer
-    texts, prompts = fe.completion_prompts(body.prompt)
+    texts, prompts = await fe.completion_prompts_async(body.prompt)
     params = [fe.completion_params(body, len(ids)) for ids in prompts]
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     n = body.n
@@ -182,7 +182,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     fe = _frontend(request)
     fe.check_model(body.model)
     served, tok = fe.model_name, fe.tokenizer
-    ids = fe.chat_ids(body.messages, body.add_generation_prompt)
+    ids = await fe.chat_ids_async(body.messages, body.add_generation_prompt)
     params = fe.chat_params(body, len(ids))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "created": created, "model": served}
