@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import secrets
 import sys
 
 from tokenloom.engine_args import add_engine_args, engine_argv
@@ -72,6 +73,9 @@ def add_cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("--served-model-name", default=None, help="passed to every worker")
     p.add_argument("--max-waiting", type=int, default=256, help="passed to every worker")
     p.add_argument("--max-n", type=int, default=128, help="passed to every worker")
+    p.add_argument("--kv-secret", default=None,
+                   help="with --prefill-workers: the secret signing KV transfers between the workers (default: "
+                        "--api-key, else a random one)")
     _router_args(p, default_port=8000)
     add_engine_args(p)
     p.set_defaults(func=_run_cluster)
@@ -110,8 +114,11 @@ def _run_cluster(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port {args.port} is also in --worker-ports")
     roles: list[list[str]] = [[]] * args.workers
     if args.prefill_workers:
-        roles = [["--role", "decode", "--kv-host", args.worker_host]] * args.workers + \
-                [["--role", "prefill"]] * args.prefill_workers
+        # Every KV transfer is signed: the given secret, else the API key (the workers get it), else a fresh one.
+        kv = [] if args.kv_secret is None and args.api_key is not None else \
+            ["--kv-secret", args.kv_secret or secrets.token_hex(32)]
+        roles = [["--role", "decode", "--kv-host", args.worker_host, *kv]] * args.workers + \
+                [["--role", "prefill", *kv]] * args.prefill_workers
     workers = LocalWorkers(ports, args.worker_host, worker_argv(args), roles)
     urls = workers.urls
     # Bad router flags fail before any worker starts.
@@ -119,6 +126,9 @@ def _run_cluster(args: argparse.Namespace) -> int:
     logging.getLogger("tokenloom.router").setLevel(logging.INFO)
     try:
         workers.start(args.startup_timeout)
+        # Dead workers are restarted (with back-off) on their ports; the router's health checks take them
+        # out meanwhile. stop() below ends the supervision first, so a clean shutdown restarts nothing.
+        workers.supervise()
         split = f" (prefill: {', '.join(urls[args.workers:])})" if args.prefill_workers else ""
         print(f"tokenloom cluster: router on http://{args.host}:{args.port} -> {', '.join(urls[:args.workers])}{split}",
               file=sys.stderr, flush=True)
