@@ -105,7 +105,7 @@ class LocalWorkers:
 
     def _spawn(self, i: int) -> subprocess.Popen[bytes]:
         cmd = self.command(i)
-        log.info("starting worker: %s", " ".join(cmd))
+        log.info("starting worker: %s", " ".join(_redact(cmd)))
         # Where the parent-death signal ends the workers with the cluster, they also get a session of their
         # own: Ctrl-C in a terminal (SIGINT to the whole foreground group) then reaches only the cluster,
         # which drains the router and then stops the workers, instead of the workers exiting under the
@@ -198,3 +198,11 @@ class LocalWorkers:
                 proc.kill()
                 codes.append(proc.wait())
         return codes
+
+
+SECRET_FLAGS = ("--api-key", "--kv-secret")
+
+
+def _redact(cmd: list[str]) -> list[str]:
+    """The command with the values of secret flags replaced, for the log."""
+    return ["***" if i and cmd[i - 1] in SECRET_FLAGS else a for i, a in enumerate(cmd)]
