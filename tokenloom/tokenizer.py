@@ -54,7 +54,10 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: the backend's encode holds the GIL for the whole call (seconds for a
+        # prompt of a few MB), encode_batch releases it, so a server's event loop runs on while a worker
+        # thread tokenizes (serve/frontend.py). Same ids.
+        ids: list[int] = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
             ids = [bos, *ids]

@@ -64,24 +64,12 @@ class Frontend:
         return [r if isinstance(r, str) else None for r in raw], ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """`Tokenizer.encode`, through the backend's encode_batch: its `encode` holds the GIL for the whole
-        call (seconds for a prompt of a few MB), encode_batch releases it, so that the event loop runs on
-        while a worker thread (the *_async methods) tokenizes."""
-        tok = self.tokenizer
-        ids: list[int] = tok.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        bos = tok.bos_token_id
-        if add_special_tokens and tok.add_bos_token and bos is not None and (not ids or ids[0] != bos):
-            ids = [bos, *ids]
-        return ids
+        return self.tokenizer.encode(text, add_special_tokens)
 
     def chat_ids(self, messages: Sequence[ChatMessage | Message], add_generation_prompt: bool = True) -> list[int]:
         """Chat messages through the model's chat template, as token ids."""
-        return self._encode_chat([{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt)
-
-    def _encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        # `Tokenizer.encode_chat`: the template writes BOS itself where the model wants one.
-        return self.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt),  # type: ignore[arg-type]
-                           add_special_tokens=False)
+        return self.tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in messages],
+                                          add_generation_prompt)
 
     def generate_ids(self, prompt: str, system: str | None = None, raw: bool = False) -> list[int]:
         """Ollama's /api/generate prompt: templated as one user turn (after `system`) unless `raw` or the
@@ -89,7 +77,7 @@ class Frontend:
         if raw or not self.tokenizer.chat_template:
             return self.encode(prompt)
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return self._encode_chat(msgs)
+        return self.tokenizer.encode_chat(msgs)
 
     def detokenize(self, tokens: list[int]) -> str:
         vocab = self.engine.model_config.vocab_size
