@@ -11,7 +11,8 @@ All sources build into one module: the first load compiles (about two minutes on
 extension cache; later loads take milliseconds. When no compiler is available the loader returns None
 and callers use the torch path. The numbers both sides rely on (row limits, code layout) come from
 limits.py, passed to the compiler as -D flags; the build is named after them and after a hash of the
-csrc/ files and the compiler flags, so two checkouts with different sources never share a build folder.
+csrc/ files and the compiler flags, so two checkouts with different sources never share a build folder,
+and checkouts with the same sources share one (built from a copy of csrc/ in the build folder).
 
 Builders serialize on an flock of their own (build_lock) with a bounded wait, logging while they wait.
 The kernel lock dies with its holder, so once it is held any torch `lock` file in the build folder was
@@ -150,9 +151,10 @@ def load_cpu_kernels(lock_timeout_s: float = BUILD_LOCK_TIMEOUT_S) -> ModuleType
             if not locked:
                 log.warning("CPU kernels unavailable (build lock not acquired); using the torch path")
                 return None
+            src = _stage_sources(build_dir)
             return load(
                 name=name,
-                sources=[str(_CSRC / f) for f in _SOURCES],
+                sources=[str(src / f) for f in _SOURCES],
                 extra_cflags=_cflags(),
                 extra_ldflags=list(_LDFLAGS),
                 build_directory=str(build_dir),
@@ -161,6 +163,23 @@ def load_cpu_kernels(lock_timeout_s: float = BUILD_LOCK_TIMEOUT_S) -> ModuleType
     except Exception as e:  # a missing compiler or ninja must not stop the engine: fall back to torch
         log.warning("CPU kernels unavailable (%s); using the torch SDPA path for decode attention", e)
         return None
+
+
+def _stage_sources(build_dir: Path) -> Path:
+    """Copy csrc/ into the build folder (under the build lock) and build from that copy. The build is named
+    after the sources' hash, so every checkout with the same sources shares it; compiling each checkout's own
+    paths would differ in ninja's commands and make checkouts rebuild it in turn. A file is written only
+    when its content differs, so ninja's timestamps stay put."""
+    src = build_dir / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    for f in sorted(_CSRC.iterdir()):
+        if f.suffix not in (".cpp", ".h"):
+            continue
+        data = f.read_bytes()
+        dst = src / f.name
+        if not dst.is_file() or dst.read_bytes() != data:
+            dst.write_bytes(data)
+    return src
 
 
 @functools.cache
