@@ -125,7 +125,8 @@ class LiveServer:
     """A tokenloom server on 127.0.0.1 (free port) in a background thread."""
 
     def __init__(self, model_dir: Path, name: str = "tiny", api_key: str | None = None, role: str = "both",
-                 max_request_bytes: int | None = None, **engine: object) -> None:
+                 max_request_bytes: int | None = None, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None, **engine: object) -> None:
         import threading
 
         import uvicorn
@@ -151,7 +152,8 @@ class LiveServer:
             self.receiver = KVReceiver(self.engine, "127.0.0.1", 0).start()
         limit = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes}
         app = build_app(self.engine, name, api_key, self.metrics, role,
-                        self.receiver.address if self.receiver else None, **limit)
+                        self.receiver.address if self.receiver else None, **limit,
+                        tool_parser=tool_parser, reasoning_parser=reasoning_parser)
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

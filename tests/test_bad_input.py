@@ -98,7 +98,7 @@ def test_stop_token_ids_outside_int64() -> None:
 
 @pytest.mark.parametrize("extra,param", [
     ({"seed": 2**70}, "seed"), ({"seed": -(2**63) - 1}, "seed"), ({"seed": 2**64 - 1, "n": 2}, "seed"),
-    ({"seed": 2**63 - 1, "n": 2}, "seed"), ({"stop_token_ids": [2**70]}, "stop_token_ids"),
+    ({"seed": 2**63 - 1, "n": 2}, "seed"), ({"stop_token_ids": [2**70]}, "stop_token_ids.0"),
 ])
 def test_seed_and_stop_ids_over_http(url: str, extra: dict[str, Any], param: str) -> None:
     r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **extra}, timeout=60)
@@ -123,17 +123,28 @@ def test_largest_seed_still_serves(url: str) -> None:
 
 # -- item 5: content parts ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("part", [{"type": "text", "text": 123}, {"type": "text", "text": None},
-                                  {"type": "text"}, {"text": "no type"}])
-def test_bad_text_part_is_400_on_the_message(url: str, part: dict[str, Any]) -> None:
+@pytest.mark.parametrize("part,param", [
+    ({"type": "text", "text": 123}, "messages.1.content.0.text"),
+    ({"type": "text", "text": None}, "messages.1.content.0.text"),
+    ({"type": "text"}, "messages.1.content.0.text"), ({"text": "no type"}, "messages.1.content.0.type"),
+])
+def test_bad_text_part_is_400_on_the_message(url: str, part: dict[str, Any], param: str) -> None:
     body = {"model": MODEL, "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [part]}],
             "max_tokens": 2}
-    openai_error(httpx.post(url + "/v1/chat/completions", json=body, timeout=60), 400, "messages.1.content")
+    openai_error(httpx.post(url + "/v1/chat/completions", json=body, timeout=60), 400, param)
+
+
+def test_image_parts_are_400_saying_text_only(url: str) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                                      {"type": "image_url", "image_url": {}}]}],
+            "max_tokens": 2}
+    err = openai_error(httpx.post(url + "/v1/chat/completions", json=body, timeout=60), 400, "messages.0.content")
+    assert "text only" in err["message"]
 
 
 def test_good_text_parts_still_work(url: str) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"},
-                                                                      {"type": "image_url", "image_url": {}}]}],
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "H"},
+                                                                      {"type": "text", "text": "i"}]}],
             "max_tokens": 2}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text

@@ -146,3 +146,19 @@ def test_aborting_many_waiting_sequences_is_linear() -> None:
     assert sched.num_waiting == 1000 and sched.waiting()[:3] == [seqs[1], seqs[3], seqs[5]]
     batch = sched.schedule()
     assert batch.seqs == [seqs[1], seqs[3], seqs[5], seqs[7]] and sched.num_waiting == 996
+
+
+def test_a_failed_request_is_a_500_marked_as_its_own() -> None:
+    """A request that failed inside the engine answers 500 with type request_failed and a header that tells
+    the router the worker is fine (a generic 500 would take the worker out of rotation)."""
+    import json
+
+    from tokenloom.serve.errors import REQUEST_FAILED_HEADER, error_response
+
+    resp = error_response(RequestFailed("IndexError: a bad row"))
+    body = json.loads(resp.body)
+    assert resp.status_code == 500 and resp.headers[REQUEST_FAILED_HEADER] == "1"
+    assert body["error"]["type"] == "request_failed" and "a bad row" in body["error"]["message"]
+    other = error_response(RuntimeError("boom"))
+    assert other.status_code == 500 and REQUEST_FAILED_HEADER not in other.headers
+    assert json.loads(other.body)["error"]["message"] == "internal error"  # internals are not shown

@@ -15,7 +15,8 @@ from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.serve.errors import ModelNotFound
 from tokenloom.serve.frontend import Frontend, chain, first, gather
-from tokenloom.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Message, Options
+from tokenloom.serve.ollama_protocol import Message, Options
+from tokenloom.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 LIMIT = 64  # max_model_len
 
@@ -67,8 +68,9 @@ def test_completion_prompt_forms(fe: Frontend) -> None:
 def test_chat_and_generate_templating(fe: Frontend) -> None:
     tok = fe.tokenizer
     want = tok.encode_chat([{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"}])
-    parts = ChatMessage(role="user", content=[{"type": "text", "text": "H"}, {"type": "image_url"},
-                                              {"type": "text", "text": "i"}])
+    parts = ChatMessage(role="user", content=[{"type": "text", "text": "H"}, {"type": "text", "text": "i"}])
+    with pytest.raises(ValueError, match="takes text only"):  # an image part is refused, not dropped
+        ChatMessage(role="user", content=[{"type": "text", "text": "H"}, {"type": "image_url"}])
     assert fe.chat_ids([ChatMessage(role="system", content="Be brief"), parts]) == want
     assert fe.chat_ids([Message(role="system", content="Be brief"), Message(role="user", content="Hi")]) == want
     assert fe.generate_ids("Hi", system="Be brief") == want
@@ -132,7 +134,11 @@ def test_ollama_sampling_params(fe: Frontend) -> None:
     p = fe.ollama_params(o, 10)
     assert (p.temperature, p.top_k, p.repetition_penalty, p.stop, p.seed, p.presence_penalty) == (
         0, 3, 1.2, ("\n",), 9, 0.5)
-    raises(InvalidRequest, "options.num_ctx", fe.ollama_params, Options(num_ctx=0), 10)
+    with pytest.raises(ValueError, match="num_ctx"):  # declared on the field (and in the OpenAPI document)
+        Options(num_ctx=0)
+    assert fe.ollama_params(Options(repeat_last_n=-1), 10).repetition_window is None
+    assert fe.ollama_params(Options(), 10).repetition_window == 64  # Ollama's default
+    assert fe.ollama_params(Options(typical_p=0.5), 10).typical_p == 0.5
     raises(InvalidRequest, "options.num_predict", fe.ollama_params, Options(num_predict=0), 10)
     raises(ContextTooLong, "prompt", fe.ollama_params, Options(num_ctx=2), 10)
 

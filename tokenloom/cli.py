@@ -21,6 +21,8 @@ from tokenloom.quant.write_checkpoint import quantize_checkpoint
 from tokenloom.router.cli import add_cluster_parser, add_router_parser
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.serve.app import build_app
+from tokenloom.serve.reasoning import REASONING_PARSERS
+from tokenloom.serve.tool_parsers import TOOL_PARSERS
 from tokenloom.serve.metrics import ServingMetrics
 from tokenloom.serve.server import run_app
 
@@ -79,7 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
             raise
         print(f"KV receiver on {receiver.address}", file=sys.stderr)
     app = build_app(engine, name, args.api_key, metrics, args.role, receiver.address if receiver else None,
-                    args.max_request_bytes)
+                    args.max_request_bytes, args.tool_call_parser, args.reasoning_parser)
     app.state.kv_secret = kv_secret  # serve/kv_api.py signs its sends with it
     app.state.api_key = args.api_key  # without one, only a --role prefill worker serves /internal/kv/prefill
     try:
@@ -162,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prefill/decode roles: shared secret that signs (HMAC-SHA256) every KV transfer, the same "
                           "on prefill and decode workers (default: --api-key); a decode worker without either "
                           "binds its KV receiver to loopback only")
+    srv.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                     help="how the model writes tool calls (default: detected from its chat template)")
+    srv.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                     help="put the model's <think>...</think> into reasoning_content (OpenAI) / thinking (Ollama)")
     add_engine_args(srv)
     srv.set_defaults(func=_serve)
 

@@ -162,6 +162,9 @@ class AsyncLLMEngine:
         if self.max_n is not None and params.n > self.max_n:
             raise InvalidRequest(f"n must be at most {self.max_n} on this server (--max-n), got {params.n}", "n")
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        if params.structured is not None:  # compiled off the event loop and the engine thread (then cached)
+            grammar = await asyncio.to_thread(lambda: self.engine.grammar)
+            await asyncio.wrap_future(grammar.compile_async(params.structured))
         # Validated and copied here, once: process_request reads nothing a step changes.
         req = self.engine.process_request(prompt_token_ids, params, rid, prompt, priority)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()

@@ -10,7 +10,9 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +27,9 @@ from tokenloom.errors import ContextTooLong, InvalidRequest
 from tokenloom.outputs import CompletionOutput, RequestOutput
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.spec.verify import verify_batch
+
+if TYPE_CHECKING:
+    from tokenloom.structured import GrammarBackend
 
 log = logging.getLogger("tokenloom.engine")
 
@@ -57,6 +62,8 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self._stop_ids = frozenset(self.tokenizer.stop_token_ids)
+        self._grammar: GrammarBackend | None = None  # built on the first constrained request
+        self._grammar_lock = threading.Lock()
 
     @property
     def model_name(self) -> str:
@@ -85,6 +92,18 @@ class LLMEngine:
         room = self.max_model_len - n
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
+    @property
+    def grammar(self) -> GrammarBackend:
+        """The grammar engine (xgrammar) for output constraints: compiles off the engine thread, with a
+        cache keyed by the constraint. Built on first use (any thread), since importing it costs seconds."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                from tokenloom.structured import GrammarBackend
+
+                self._grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
+                                               sorted(self._stop_ids))
+            return self._grammar
+
     def process_request(
         self,
         prompt_token_ids: list[int],
@@ -102,6 +121,18 @@ class LLMEngine:
         bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequest(f"stop token id {bad} is outside the vocabulary [0, {vocab})", "stop_token_ids")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("bad_words", [t for w in params.bad_words_token_ids for t in w])):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequest(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})", name)
+        compiled = None
+        if params.structured is not None:
+            if params.min_tokens:
+                raise InvalidRequest("min_tokens cannot be combined with an output constraint (the grammar "
+                                     "decides when the output may end)", "min_tokens")
+            compiled = self.grammar.compile(params.structured)  # cached: the async engine compiled it already
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         prompt_ids = list(prompt_token_ids)  # the engine's one copy, shared by the n sequences
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._stop_ids)
@@ -124,6 +155,10 @@ class LLMEngine:
                 priority=priority,
                 generator=gen,
             )
+            if compiled is not None and params.structured is not None:
+                from tokenloom.engine.constraint import SequenceConstraint
+
+                seq.constraint = SequenceConstraint(params.structured, compiled, sorted(stop_ids))
             seq.times.arrival = now
             seqs.append(seq)
         return Request(request_id, prompt, prompt_ids, params, seqs, now)

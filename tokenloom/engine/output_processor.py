@@ -3,7 +3,7 @@
 Stop conditions, checked token by token (so a multi-token append stops exactly at the first hit):
 stop token id (EOS unless ignore_eos, and the request's stop_token_ids; its text is not emitted),
 stop string (text cut before it; the string is not emitted unless include_stop_str_in_output),
-max_tokens. None applies before min_tokens tokens have been produced.
+a complete grammar (the request's output constraint, engine/constraint.py), max_tokens. None applies before min_tokens tokens have been produced.
 While a sequence runs, the last `stop_buffer_chars` characters are held back from the stream since
 they may turn out to be the start of a stop string.
 This module alone writes a sequence's `output` state (engine/sequence.py OutputState).
@@ -33,11 +33,16 @@ class OutputProcessor:
             out.finish_reason = "stop"
             out.stop_reason = None if token not in p.stop_token_ids else token
             return SequenceStatus.FINISHED_STOPPED
+        # The grammar advances on every token (a token it refuses raises: the sequence fails alone).
+        grammar_done = seq.constraint is not None and seq.constraint.append(token)
         if out.decoder is None:
             out.decoder = self.tokenizer.decode_stream(p.skip_special_tokens)
         new_text = out.decoder.step(self.tokenizer.backend, token) or ""
         out.text += new_text
         if may_stop and p.stop and new_text and _check_stop_strings(seq, len(new_text)):
+            return SequenceStatus.FINISHED_STOPPED
+        if grammar_done:  # complete: only a stop token could follow, so stop without sampling one
+            out.finish_reason = "stop"
             return SequenceStatus.FINISHED_STOPPED
         if n_out >= seq.max_tokens:
             out.finish_reason = "length"

@@ -1,14 +1,18 @@
 """Turns each scheduled sequence's logits row into its next token, plus logprobs when asked.
 
-Order of operations (as vLLM): min_tokens mask -> repetition/presence/frequency penalties -> greedy argmax,
-or temperature -> top-k -> top-p -> min-p -> sample. Sampling uses the exponential race
+Order of operations (as vLLM): logit_bias -> allowed_token_ids -> bad words -> min_tokens mask ->
+repetition/presence/frequency penalties -> greedy argmax, or temperature -> top-k -> top-p -> typical-p ->
+min-p -> sample. The steps before the argmax ("processing") run only on the rows whose request needs them
+(SamplingParams.needs_logits_processing, or a pending min_tokens): a batch without such rows skips them.
+Sampling uses the exponential race
 (argmax p_i / E_i, E_i ~ Exp(1)), drawing E from the request's own generator when it has a seed, so a
 seeded request draws the same numbers whatever else is in the batch. Logprobs are of the raw model
 distribution (log_softmax of the logits before any processing), as the OpenAI API reports them.
 
 Each step, `prepare` reads the batch's sequences once into a SamplingBatch (which logits rows sample and
 which verify drafts, per-row parameters as tensors); `sample` (and spec/verify.py for verifying rows)
-consume it.
+consume it. A verifying sequence's rows are processed by `Sampler.process_run` (row i as if its drafts
+before i were already its tokens), which spec/verify.py applies before its argmax / rejection sampling.
 """
 
 from __future__ import annotations
@@ -19,19 +23,22 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenloom.engine.sequence import Sequence
+from tokenloom.errors import InvalidRequest
 from tokenloom.outputs import TokenLogprob
+from tokenloom.sampling_params import SamplingParams
 
 LOGITS_DTYPE = torch.float32  # models/llama.py compute_logits: the sampler always sees float32 logits
 
 
 @dataclass(frozen=True)
 class SamplingArgs:
-    """Temperature, top-k, top-p and min-p of R rows, as the tensors `Sampler.probs` applies."""
+    """Temperature, top-k, top-p, typical-p and min-p of R rows, as the tensors `Sampler.probs` applies."""
 
     temperatures: torch.Tensor  # (R,) float32
     top_ks: list[int]  # (R,) vocab size where disabled, filled in by probs()
     top_ps: list[float]  # (R,)
     min_ps: torch.Tensor  # (R,) float32
+    typical_ps: list[float]  # (R,) 1.0 where disabled
 
     @classmethod
     def of(cls, seqs: Seq[Sequence], device: torch.device) -> SamplingArgs:
@@ -40,7 +47,32 @@ class SamplingArgs:
             [s.params.top_k for s in seqs],
             [s.params.top_p for s in seqs],
             torch.tensor([s.params.min_p for s in seqs], dtype=LOGITS_DTYPE, device=device),
+            [s.params.typical_p for s in seqs],
         )
+
+
+@dataclass(frozen=True)
+class RowContext:
+    """What processing one logits row reads: its request's parameters and the tokens before its position
+    (a plain row: the sequence's tokens; a verifying row i: those followed by the drafts before i)."""
+
+    params: SamplingParams
+    token_ids: Seq[int]  # prompt + output so far
+    prompt_len: int
+    stop_token_ids: frozenset[int]  # EOS (unless ignore_eos) + the request's stop_token_ids
+
+    @classmethod
+    def of(cls, seq: Sequence) -> RowContext:
+        return cls(seq.params, seq.token_ids, seq.prompt_len, seq.stop_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def min_tokens_pending(self) -> bool:
+        """Stop tokens may not be sampled yet (min_tokens)."""
+        return self.num_output_tokens < self.params.min_tokens and bool(self.stop_token_ids)
 
 
 @dataclass(frozen=True)
@@ -65,9 +97,14 @@ class SamplingBatch:
     greedy: list[int]  # indices into the P plain rows that take the argmax
     sampled: list[int]  # the others
     args: SamplingArgs | None  # of the `sampled` rows
-    needs_processing: bool  # a plain row has penalties or a pending min_tokens
+    processed: list[int]  # indices into the P plain rows whose logits are processed (see _needs_processing)
+    constrained: list[int]  # indices into the P plain rows whose output grammar masks this step's tokens
     logprobs: list[int | None] | None  # (P,) top-N asked per plain row; None: no row asked
     verify: list[VerifyRow]  # sequences verifying drafts, in batch order
+
+    @property
+    def needs_processing(self) -> bool:
+        return bool(self.processed)
 
 
 @dataclass
@@ -127,7 +164,8 @@ class Sampler:
             num_rows=len(seqs), seqs=plain, batch_rows=plain_rows, logit_rows=logit_rows,
             greedy=greedy, sampled=sampled,
             args=SamplingArgs.of([plain[i] for i in sampled], self.device) if sampled else None,
-            needs_processing=any(_needs_processing(s) for s in plain),
+            processed=[i for i, s in enumerate(plain) if _needs_processing(s)],
+            constrained=[i for i, s in enumerate(plain) if s.constraint is not None and s.constraint.masks],
             logprobs=want if any(w is not None for w in want) else None,
             verify=verify,
         )
@@ -145,10 +183,20 @@ class Sampler:
             logits = logits[batch.logit_rows]
         raw = logits
         seqs = batch.seqs
-        if batch.needs_processing:
-            logits = logits.clone()  # `raw` stays untouched for logprobs
-            self._mask_stop_tokens(logits, seqs)
-            self._apply_penalties(logits, seqs)
+        if batch.processed:  # `raw` stays untouched for logprobs: process a copy
+            ctxs = [RowContext.of(seqs[i]) for i in batch.processed]
+            if len(batch.processed) == len(seqs):
+                logits = logits.clone()
+                self.process_logits(logits, ctxs)
+            else:  # only the rows that need it: (len(processed), vocab), written back into a copy
+                rows = torch.tensor(batch.processed, dtype=torch.long, device=logits.device)
+                sub = logits.index_select(0, rows)
+                self.process_logits(sub, ctxs)
+                logits = logits.index_copy(0, rows, sub)
+        if batch.constrained:
+            if logits is raw:
+                logits = logits.clone()
+            self._apply_grammar(logits, seqs, batch.constrained)
 
         if batch.args is None:  # every plain row is greedy
             token_ids = first_argmax(logits)
@@ -168,32 +216,156 @@ class Sampler:
         return out
 
     @staticmethod
-    def _mask_stop_tokens(logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
-        # min_tokens: stop tokens (EOS and the request's stop_token_ids) cannot be sampled yet.
-        for i, s in enumerate(seqs):
-            if s.num_output_tokens < s.params.min_tokens and s.stop_token_ids:
-                logits[i, list(s.stop_token_ids)] = float("-inf")
+    def _apply_grammar(logits: torch.Tensor, seqs: Seq[Sequence], rows: list[int]) -> None:
+        """One token bitmask for the step: each constrained row's matcher writes its allowed tokens, then one
+        batched call sets every other token of those rows to -inf (unconstrained rows are not touched)."""
+        from tokenloom.structured import allocate, apply  # the grammar engine loads with its first user
+
+        bitmask = allocate(logits.shape[0], logits.shape[1])  # (P, ceil(vocab / 32)) int32, all allowed
+        for r in rows:
+            constraint = seqs[r].constraint
+            if constraint is not None:
+                constraint.fill(bitmask, r)
+        apply(logits, bitmask, rows)
+        dead = torch.isneginf(logits[rows]).all(dim=-1).nonzero().flatten().tolist()
+        if dead:  # its other bans (allowed_token_ids, bad words) leave the grammar no token
+            raise InvalidRequest("the output constraint leaves no token the request's other settings allow",
+                                 "structured_outputs")
+
+    def process_run(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+        """A verifying sequence's (k + 1, vocab) logits, processed as `sample` processes a plain row's: row i
+        as if the drafts before it were already the sequence's tokens (what bad words, a pending min_tokens
+        and penalties see there). Returns `logits` itself when nothing applies, else a processed copy; the
+        raw rows stay the caller's, for logprobs."""
+        drafts = seq.spec.token_ids
+        rows = logits.shape[0]  # k + 1
+        if not (seq.params.needs_logits_processing or RowContext.of(seq).min_tokens_pending):
+            return logits
+        tokens = list(seq.token_ids)
+        ctxs = [RowContext(seq.params, tokens + list(drafts[:i]), seq.prompt_len, seq.stop_token_ids)
+                for i in range(rows)]
+        out = logits.clone()
+        self.process_logits(out, ctxs)
+        return out
+
+    def process_logits(self, logits: torch.Tensor, ctxs: Seq[RowContext]) -> None:
+        """Everything before the argmax / temperature, in place on (R, vocab) `logits` (row i: ctxs[i]), in
+        vLLM's order: logit_bias -> allowed_token_ids -> bad words -> min_tokens stop mask -> penalties. Raises
+        InvalidRequest for a row whose bans leave no token (its request fails alone: engine._sample_each)."""
+        self._apply_logit_bias(logits, ctxs)
+        self._apply_allowed_token_ids(logits, ctxs)
+        self._ban_bad_words(logits, ctxs)
+        self._mask_stop_tokens(logits, ctxs)
+        self._apply_penalties(logits, ctxs)
+        # A row of -inf would sample garbage (NaN probabilities), or silently token 0 when greedy.
+        if any(c.params.allowed_token_ids is not None or c.params.bad_words_token_ids or c.min_tokens_pending
+               for c in ctxs):
+            dead = torch.isneginf(logits).all(dim=-1).nonzero().flatten().tolist()
+            if dead:
+                p = ctxs[dead[0]].params
+                field_name = "allowed_token_ids" if p.allowed_token_ids is not None else "bad_words_token_ids"
+                raise InvalidRequest(
+                    "no token may be sampled: allowed_token_ids, bad_words_token_ids and min_tokens (stop tokens "
+                    "banned until then) together exclude the whole vocabulary", field_name,
+                )
 
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
+    def _apply_logit_bias(logits: torch.Tensor, ctxs: Seq[RowContext]) -> None:
+        # One scatter-add for every row's biases; ids past the vocabulary are ignored (the engine rejects them).
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
+        for i, c in enumerate(ctxs):
+            bias = c.params.logit_bias
+            if bias:
+                rows.extend([i] * len(bias))
+                ids, values = zip(*bias)
+                cols.extend(ids)
+                vals.extend(values)
+        if not rows:
+            return
+        device = logits.device
+        r = torch.tensor(rows, dtype=torch.long, device=device)
+        t = torch.tensor(cols, dtype=torch.long, device=device)
+        v = torch.tensor(vals, dtype=logits.dtype, device=device)
+        keep = t < logits.shape[1]
+        logits.index_put_((r[keep], t[keep]), v[keep], accumulate=True)  # ids are unique per row (SamplingParams)
+
+    @staticmethod
+    def _apply_allowed_token_ids(logits: torch.Tensor, ctxs: Seq[RowContext]) -> None:
+        """-inf for every token outside each row's allowed_token_ids."""
+        idx = [i for i, c in enumerate(ctxs) if c.params.allowed_token_ids is not None]
+        if not idx:
+            return
+        device, vocab = logits.device, logits.shape[1]
+        allowed = [c.params.allowed_token_ids or () for c in (ctxs[i] for i in idx)]
+        r = torch.tensor([j for j, ids in enumerate(allowed) for _ in ids], dtype=torch.long, device=device)
+        t = torch.tensor([t for ids in allowed for t in ids], dtype=torch.long, device=device)
+        keep = t < vocab
+        banned = torch.ones((len(idx), vocab), dtype=torch.bool, device=device)  # (A, vocab)
+        banned[r[keep], t[keep]] = False
+        rows = torch.tensor(idx, dtype=torch.long, device=device)
+        logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(banned, float("-inf")))
+
+    @staticmethod
+    def _ban_bad_words(logits: torch.Tensor, ctxs: Seq[RowContext]) -> None:
+        """vLLM's NoBadWordsLogitsProcessor: a one-token bad word is banned always; a longer one's last token when
+        the output so far (not the prompt, as vLLM) ends with its first len - 1 tokens."""
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, c in enumerate(ctxs):
+            words = c.params.bad_words_token_ids
+            if not words:
+                continue
+            out_len = c.num_output_tokens
+            # The output's last (longest word - 1) tokens: all a prefix can match (never prompt tokens).
+            longest = max(len(w) for w in words) - 1
+            tail = tuple(c.token_ids[len(c.token_ids) - min(longest, out_len):]) if longest else ()
+            for w in words:
+                n = len(w) - 1
+                if n == 0 or (n <= len(tail) and tail[len(tail) - n:] == w[:n]):
+                    rows.append(i)
+                    cols.append(w[-1])
+        if rows:
+            device = logits.device
+            r = torch.tensor(rows, dtype=torch.long, device=device)
+            t = torch.tensor(cols, dtype=torch.long, device=device)
+            keep = t < logits.shape[1]
+            logits[r[keep], t[keep]] = float("-inf")
+
+    @staticmethod
+    def _mask_stop_tokens(logits: torch.Tensor, ctxs: Seq[RowContext]) -> None:
+        """min_tokens: stop tokens (EOS and the request's stop_token_ids) cannot be sampled yet."""
         vocab = logits.shape[1]
-        for i, s in enumerate(seqs):
-            p = s.params
-            if p.repetition_penalty != 1.0:
-                # HF/CTRL: every token seen in prompt or output; positive logits divided, negative multiplied.
-                seen = torch.tensor(sorted(set(s.token_ids)), dtype=torch.long, device=logits.device)
+        for i, c in enumerate(ctxs):
+            if c.min_tokens_pending:
+                ids = [t for t in c.stop_token_ids if t < vocab]
+                if ids:
+                    logits[i, ids] = float("-inf")
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, ctxs: Seq[RowContext]) -> None:
+        vocab = logits.shape[1]
+        for i, c in enumerate(ctxs):
+            p = c.params
+            window = p.repetition_window
+            if p.repetition_penalty != 1.0 and window != 0:
+                # HF/CTRL: every token seen in prompt or output (the last `window` of them when set); positive
+                # logits divided, negative multiplied.
+                recent = c.token_ids if window is None else c.token_ids[-window:]
+                seen = torch.tensor(sorted(set(recent)), dtype=torch.long, device=logits.device)
                 seen = seen[seen < vocab]
                 row = logits[i, seen]
                 logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            if p.presence_penalty or p.frequency_penalty:
-                if s.num_output_tokens:
-                    out = torch.tensor(s.token_ids[s.prompt_len :], device=logits.device)
-                    counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
-                    logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            if (p.presence_penalty or p.frequency_penalty) and c.num_output_tokens:
+                out = torch.tensor(c.token_ids[c.prompt_len :], dtype=torch.long, device=logits.device)
+                counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
     @staticmethod
     def probs(seqs: Seq[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p of `seqs` (row i: seqs[i]); returns (S, vocab) probabilities."""
+        """Temperature, top-k, top-p, typical-p, min-p of `seqs` (row i: seqs[i]); returns (S, vocab)
+        probabilities."""
         return Sampler.probs_from(SamplingArgs.of(seqs, logits.device), logits)
 
     @staticmethod
@@ -216,6 +388,8 @@ class Sampler:
             cut[:, 0] = False  # the most likely token always survives
             sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        if any(t < 1.0 for t in args.typical_ps):
+            logits = _typical(logits, args.typical_ps)
         probs = logits.softmax(dim=-1)
         min_ps = args.min_ps
         if bool((min_ps > 0).any()):
@@ -248,13 +422,30 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _needs_processing(s: Sequence) -> bool:
+    """Whether `s`'s logits row is processed this step: its request's logit_bias, allowed_token_ids, bad
+    words or penalties (SamplingParams.needs_logits_processing, cached per request), or a pending min_tokens."""
     p = s.params
-    return (
-        p.repetition_penalty != 1.0
-        or p.presence_penalty != 0.0
-        or p.frequency_penalty != 0.0
-        or (s.num_output_tokens < p.min_tokens and bool(s.stop_token_ids))
-    )
+    return p.needs_logits_processing or (s.num_output_tokens < p.min_tokens and bool(s.stop_token_ids))
+
+
+def _typical(logits: torch.Tensor, typical_ps: list[float]) -> torch.Tensor:
+    """Locally typical sampling (Meister et al. 2022; HF's TypicalLogitsWarper, min_tokens_to_keep 1) on
+    (R, vocab) logits already tempered and top-k/top-p filtered: keep the smallest set of tokens, taken by
+    ascending |-log p - entropy|, whose mass reaches typical_p (ties at the boundary kept). Rows with
+    typical_p 1 come back unchanged."""
+    vocab = logits.shape[1]
+    mass = torch.tensor(typical_ps, dtype=logits.dtype, device=logits.device)[:, None]  # (R, 1)
+    logp = logits.log_softmax(dim=-1)
+    p = logp.exp()
+    entropy = -(logp * p).nansum(dim=-1, keepdim=True)  # (R, 1); -inf * 0 = NaN for filtered tokens
+    shifted = (-logp - entropy).abs()  # (R, vocab); +inf for filtered tokens: they sort last
+    sorted_shifted, order = shifted.sort(dim=-1)
+    cum = logits.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (cum < mass).sum(dim=-1, keepdim=True).clamp_(max=vocab - 1)  # (R, 1) sorted index of the last kept
+    remove = shifted > sorted_shifted.gather(-1, last)
+    remove.scatter_(-1, order[:, :1], False)  # the most typical token always survives
+    remove &= mass < 1.0
+    return logits.masked_fill(remove, float("-inf"))
 
 
 def logprobs_of(raw: torch.Tensor, token_ids: list[int], want: list[int | None]) -> list[TokenLogprob | None]:

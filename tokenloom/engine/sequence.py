@@ -2,9 +2,10 @@
 and the request that groups a prompt's n sequences.
 
 A Sequence holds what the scheduler and the KV cache manager work with (tokens, computed tokens, block
-table, prefix-cache hashes). Two parts live beside it, each changed by one owner: `spec` (draft tokens
-waiting for verification: the proposers write it, the scheduler settles it after each step) and `output`
-(detokenized text, stop state and what has been streamed: the output processor's alone).
+table, prefix-cache hashes). Parts live beside it, each changed by one owner: `spec` (draft tokens
+waiting for verification: the proposers write it, the scheduler settles it after each step), `output`
+(detokenized text, stop state and what has been streamed) and `constraint` (the grammar matcher: the
+sampler reads its mask, the output processor advances it).
 """
 
 from __future__ import annotations
@@ -12,12 +13,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers.decoders import DecodeStream
 
 from tokenloom.outputs import TokenLogprob
 from tokenloom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # engine/constraint.py imports the grammar engine, loaded only when a request needs it
+    from tokenloom.engine.constraint import SequenceConstraint
 
 
 class SequenceStatus(enum.Enum):
@@ -99,6 +104,7 @@ class Sequence:
     times: SequenceTimes = field(default_factory=SequenceTimes)
     spec: SpecState = field(default_factory=SpecState)
     output: OutputState = field(default_factory=OutputState)
+    constraint: SequenceConstraint | None = None  # the grammar its output must follow (params.structured)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -13,7 +13,9 @@ from tokenloom.errors import ConfigError
 from tokenloom.router.app import build_router_app
 from tokenloom.router.cluster import LocalWorkers
 from tokenloom.router.config import POLICIES, RouterConfig
+from tokenloom.serve.reasoning import REASONING_PARSERS
 from tokenloom.serve.server import run_app
+from tokenloom.serve.tool_parsers import TOOL_PARSERS
 
 
 def _router_args(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -76,6 +78,9 @@ def add_cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("--kv-secret", default=None,
                    help="with --prefill-workers: the secret signing KV transfers between the workers (default: "
                         "--api-key, else a random one)")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS), help="passed to every worker")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="passed to every worker")
     _router_args(p, default_port=8000)
     add_engine_args(p)
     p.set_defaults(func=_run_cluster)
@@ -98,6 +103,10 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--served-model-name", args.served_model_name]
     if args.api_key is not None:
         argv += ["--api-key", args.api_key]
+    if args.tool_call_parser is not None:
+        argv += ["--tool-call-parser", args.tool_call_parser]
+    if args.reasoning_parser is not None:
+        argv += ["--reasoning-parser", args.reasoning_parser]
     return argv
 
 

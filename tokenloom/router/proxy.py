@@ -30,6 +30,7 @@ from tokenloom.router.policies import Policy
 from tokenloom.router.prefix import RoutingKey, prompt_text, routing_key
 from tokenloom.router.replies import NDJSON, SSE, error_reply, stream_error
 from tokenloom.router.workers import Worker, WorkerPool
+from tokenloom.serve.errors import REQUEST_FAILED_HEADER
 
 # Streamed media types and the delimiter after which an event (SSE) or a line (NDJSON) is whole.
 _STREAMS = {SSE: b"\n\n", NDJSON: b"\n"}
@@ -142,7 +143,8 @@ class Proxy:
             return self._transport_failure(worker, e)
         try:
             status = resp.status_code
-            if status == 429 or status >= 500:
+            own_fault = resp.headers.get(REQUEST_FAILED_HEADER) == "1"  # the request failed, the worker serves on
+            if (status == 429 or status >= 500) and not own_fault:
                 await _drain(resp)
                 self.metrics.requests.labels(url, str(status)).inc()
                 if status == 429:

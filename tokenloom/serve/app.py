@@ -6,6 +6,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -27,6 +28,7 @@ from tokenloom.serve.frontend import Frontend
 from tokenloom.serve.kv_api import router as kv_router
 from tokenloom.serve.metrics import ServingMetrics
 from tokenloom.serve.ollama_api import router as ollama_router
+from tokenloom.serve.openapi import install_openapi
 from tokenloom.serve.openai_api import router as openai_router
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/openapi.json"})
@@ -103,19 +105,22 @@ def _to_ollama(resp: JSONResponse) -> JSONResponse:
 def build_app(
     engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, metrics: ServingMetrics | None = None,
     role: Role = "both", kv_address: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    tool_parser: str | None = None, reasoning_parser: str | None = None,
 ) -> FastAPI:
     """`role`: both (a whole server), prefill (also computes prompts for decode workers,
     /internal/kv/prefill) or decode (receives KV blocks at `kv_address`, which /health reports).
-    `max_request_bytes`: larger request bodies get 413 (0: no limit)."""
+    `max_request_bytes`: larger request bodies get 413 (0: no limit). `tool_parser`, `reasoning_parser`:
+    how the model writes tool calls and thinking (serve/tool_parsers.py, serve/reasoning.py)."""
     app = FastAPI(title="tokenloom", version="0.1.0")
     app.state.engine = engine
     app.state.model_name = model_name
-    app.state.frontend = Frontend(engine, model_name)  # prompts, max_tokens and streams for every route
+    app.state.frontend = Frontend(engine, model_name, tool_parser, reasoning_parser)  # prompts, max_tokens and streams for every route
     app.state.metrics = metrics
     app.state.role = role
     app.include_router(openai_router)
     app.include_router(ollama_router)
     app.include_router(kv_router)
+    install_openapi(app, OPEN_PATHS)  # documents the 400s (not 422s) and error bodies the routes answer
     # Added before auth_and_log, so it runs inside it: a 413 is logged, and an unauthorized client gets 401.
     app.add_middleware(BodyLimit, limit=max_request_bytes)
 
@@ -149,16 +154,21 @@ def build_app(
     async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI says 422; the OpenAI API says 400 with the offending field in `param`.
         errs = exc.errors()
-        first = errs[0] if errs else {}
+        # A value that fits no member of a union gets one error per member; the deepest one says most
+        # (content.0.text: not a string, rather than content: not a string).
+        first = max(errs, key=lambda e: len(_field_path(e.get("loc", ())))) if errs else {}
         cause = (first.get("ctx") or {}).get("error")
         if isinstance(cause, InvalidRequest):  # a body validator's own error names its field's whole path
             return fail(request, cause)
         if first.get("type") == "json_invalid":
             param, msg = None, f"the body is not valid JSON: {cause or 'decode error'}"
         else:
-            loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-            param = ".".join(loc) or None
+            param = ".".join(_field_path(first.get("loc", ()))) or None
             msg = f"{param or 'body'}: {first.get('msg', 'invalid request body')}"
+            if first.get("type") == "extra_forbidden":  # nothing is ignored in silence (serve/protocol.py)
+                msg = f"{param}: unknown or unsupported field (tokenloom does not implement it)"
+            elif first.get("type") == "none_required":
+                msg = f"{param} is not supported: only null is accepted"
         resp = JSONResponse(error_body(msg, "invalid_request_error", param, 400), status_code=400)
         return _to_ollama(resp) if _ollama_style(request) else resp
 
@@ -192,6 +202,15 @@ def build_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+# pydantic's location of an error inside a union names the member tried ("str", "list[TextPart]",
+# "function-after[...]"): not part of the field's path.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|dict|list|none|tuple|.*\[.*\])$")
+
+
+def _field_path(loc: tuple[int | str, ...] | list[int | str]) -> list[str]:
+    return [str(p) for p in loc if p != "body" and not (isinstance(p, str) and _UNION_MEMBER.match(p))]
 
 
 def _log(rid: str, request: Request, status: int, start: float, usage: dict[str, int]) -> None:

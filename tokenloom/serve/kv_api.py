@@ -15,14 +15,13 @@ the worker's KV secret (`app.state.kv_secret`: --kv-secret, else --api-key), whi
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from typing import Any, Literal
 
 import pydantic
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, StrictFloat, model_validator
+from pydantic import BaseModel, Field, StrictFloat
 
 from tokenloom.disagg.blocks import KVLayout, KVTransferError, export_prefix
 from tokenloom.disagg.transfer import send_blocks
@@ -31,30 +30,27 @@ from tokenloom.errors import InvalidRequest
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.serve.errors import error_body
 from tokenloom.serve.frontend import Frontend
-from tokenloom.serve.protocol import ChatCompletionRequest, CompletionRequest, check_utf8
+from tokenloom.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
 
 
 MAX_TIMEOUT = 600.0  # seconds; the transfer's timeout must be in (0, MAX_TIMEOUT]
 # tcp://host:port only: a host name, IPv4 address or [IPv6] address, and a port in 1..65535.
-_KV_TARGET = re.compile(r"tcp://(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\]):([0-9]{1,5})")
+_PORT = r"(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"  # 1..65535
+KV_TARGET = rf"^tcp://(?:[A-Za-z0-9][A-Za-z0-9.-]{{0,252}}|\[[0-9A-Fa-f:.]{{2,45}}\]):{_PORT}$"
 
 
 class PrefillRequest(BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+
     endpoint: Literal["/v1/completions", "/v1/chat/completions"]
     request: dict[str, Any]  # the client's body, as it will be sent to the decode worker
-    kv_target: str  # the decode worker's KV receiver, tcp://host:port (its /health says)
+    # The decode worker's KV receiver, tcp://host:port (its /health says); declared as a pattern so the
+    # OpenAPI document says which values are accepted.
+    kv_target: str = Field(pattern=KV_TARGET)
     # Seconds for the block transfer: finite, > 0 and at most MAX_TIMEOUT (NaN, inf, 1e300, -1 are 400s).
     timeout: StrictFloat = Field(30.0, gt=0, le=MAX_TIMEOUT, allow_inf_nan=False)
-
-    @model_validator(mode="after")
-    def _utf8(self) -> "PrefillRequest":
-        check_utf8(self.kv_target, "kv_target")
-        m = _KV_TARGET.fullmatch(self.kv_target)
-        if m is None or not 1 <= int(m.group(1)) <= 65535:
-            raise InvalidRequest("kv_target: must be a decode worker's KV address, tcp://host:port", "kv_target")
-        return self
 
 
 @router.post("/internal/kv/prefill")

@@ -19,9 +19,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenloom import __version__
 from tokenloom.outputs import RequestOutput, merge_delta
+from tokenloom.errors import InvalidRequest
+from tokenloom.serve.chat_output import ChoiceOutput, ToolMode
+from tokenloom.serve.constraints import ollama_constraint
 from tokenloom.serve.frontend import Frontend, chain, first
 from tokenloom.serve.openai_api import client_gone, gather_or_abort
-from tokenloom.serve.protocol import ChatRequest, GenerateRequest, ShowRequest, OllamaRequest
+from tokenloom.serve.ollama_protocol import ChatRequest, GenerateRequest, OllamaRequest, ShowRequest
 
 router = APIRouter()
 
@@ -49,34 +52,65 @@ def _stats(out: RequestOutput, start: float, submitted: float) -> dict[str, Any]
     }
 
 
-async def _respond(
-    request: Request, body: OllamaRequest, ids: list[int], start: float, shape: str
-) -> Response:
-    """Run one request; `shape` is "generate" (text in `response`) or "chat" (text in `message`)."""
-    fe = _frontend(request)
-    stream = fe.run([ids], [fe.ollama_params(body.options, len(ids))])
-    submitted = time.monotonic()
+def _ollama_calls(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """OpenAI-style tool calls as Ollama writes them: arguments as an object, not a JSON string."""
+    calls = []
+    for i, c in enumerate(message.get("tool_calls") or []):
+        try:
+            args = json.loads(c["function"]["arguments"])
+        except ValueError:
+            args = {}
+        calls.append({"function": {"index": i, "name": c["function"]["name"], "arguments": args}})
+    return calls
 
-    def piece(text: str, done: bool) -> dict[str, Any]:
+
+async def _respond(request: Request, body: OllamaRequest, ids: list[int], start: float, shape: str,
+                   mode: ToolMode) -> Response:
+    """Run one request; `shape` is "generate" (text in `response`) or "chat" (text in `message`).
+    Thinking goes to `thinking` when the server has a reasoning parser and `think` is not false; tool
+    calls (chat with `tools`) to `message.tool_calls`, parsed from the whole output."""
+    fe = _frontend(request)
+    reasoning = fe.reasoning_for(ids) if body.think is not False else None
+    if body.think and reasoning is None:
+        raise InvalidRequest("think: this server has no reasoning parser (start it with --reasoning-parser)",
+                             "think")
+    constraint = ollama_constraint(body.format)
+    if constraint is not None and reasoning is not None:
+        constraint = fe.thinking_first(constraint, reasoning)
+    stream = fe.run([ids], [fe.ollama_params(body.options, len(ids), constraint)])
+    submitted = time.monotonic()
+    choice = ChoiceOutput(mode, reasoning)
+
+    def piece(delta: dict[str, Any], done: bool) -> dict[str, Any]:
         base: dict[str, Any] = {"model": body.model, "created_at": _now()}
+        text = delta.get("content") or ""
         if shape == "chat":
-            base["message"] = {"role": "assistant", "content": text}
+            msg: dict[str, Any] = {"role": "assistant", "content": text}
+            if delta.get("reasoning_content"):
+                msg["thinking"] = delta["reasoning_content"]
+            if delta.get("tool_calls"):
+                msg["tool_calls"] = _ollama_calls(delta)
+            base["message"] = msg
         else:
             base["response"] = text
+            if delta.get("reasoning_content"):
+                base["thinking"] = delta["reasoning_content"]
         base["done"] = done
         return base
 
-    def final(total: RequestOutput, text: str = "") -> dict[str, Any]:
+    def final(total: RequestOutput, delta: dict[str, Any]) -> dict[str, Any]:
         stats = _stats(total, start, submitted)
         request.state.usage.update(prompt_tokens=stats["prompt_eval_count"], completion_tokens=stats["eval_count"])
-        return {**piece(text, True), **stats}
+        return {**piece(delta, True), **stats}
 
     if not body.stream:
         whole = await gather_or_abort(request, stream, 1)
         if whole is None:
             return client_gone()
         (total,) = whole
-        return JSONResponse(final(total, total.outputs[0].text if total.outputs else ""))
+        c = total.outputs[0] if total.outputs else None
+        message, _ = choice.message(c.text if c else "", c.finish_reason if c else None)
+        return JSONResponse(final(total, message))
 
     head = await first(stream)  # errors before the first token stay HTTP errors
 
@@ -85,12 +119,14 @@ async def _respond(
         try:
             async for _, delta in chain(head, stream):
                 total = merge_delta(total, delta)
-                text = delta.outputs[0].text if delta.outputs else ""
+                out = delta.outputs[0] if delta.outputs else None
+                fields = choice.feed(out.text if out else "")
                 # One line per token, as Ollama streams, even when the token completes no character yet.
-                if text or (delta.outputs and delta.outputs[0].token_ids):
-                    yield json.dumps(piece(text, False)) + "\n"
+                if fields or (out and out.token_ids and not delta.finished):
+                    yield json.dumps(piece(fields, False)) + "\n"
                 if delta.finished:
-                    yield json.dumps(final(total)) + "\n"
+                    last, _ = choice.finish(out.finish_reason if out else None)
+                    yield json.dumps(final(total, last)) + "\n"
                     return
         except Exception as e:  # noqa: BLE001 - a started stream ends with an error line
             yield json.dumps({"error": str(e)}) + "\n"
@@ -108,8 +144,9 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     if not body.prompt:  # Ollama answers an empty prompt by (pre)loading the model
         return JSONResponse({"model": body.model, "created_at": _now(), "response": "", "done": True,
                              "done_reason": "load"})
-    ids = await fe.generate_ids_async(body.prompt, body.system, body.raw)
-    return await _respond(request, body, ids, start, "generate")
+    kwargs = None if body.think is None else {"enable_thinking": body.think}
+    ids = await fe.generate_ids_async(body.prompt, body.system, body.raw, kwargs)
+    return await _respond(request, body, ids, start, "generate", ToolMode("none"))
 
 
 @router.post("/api/chat")
@@ -120,7 +157,17 @@ async def chat(body: ChatRequest, request: Request) -> Any:
     if not body.messages:
         return JSONResponse({"model": body.model, "created_at": _now(), "message": {"role": "assistant", "content": ""},
                              "done": True, "done_reason": "load"})
-    return await _respond(request, body, await fe.chat_ids_async(body.messages), start, "chat")
+    mode = ToolMode("none")
+    tools = None
+    if body.tools:
+        if fe.tool_parser is None:
+            raise InvalidRequest("tools: this model's tool-call format is unknown; start the server with "
+                                 "--tool-call-parser (hermes, llama3_json, mistral)", "tools")
+        mode = ToolMode("auto", parser=fe.tool_parser)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    kwargs = None if body.think is None else {"enable_thinking": body.think}
+    ids = await fe.chat_ids_async(body.messages, True, tools, kwargs)
+    return await _respond(request, body, ids, start, "chat", mode)
 
 
 def _details(fe: Frontend) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from tokenloom.errors import InvalidRequest
 from tokenloom.outputs import RequestMetrics, RequestOutput
+from tokenloom.serve.chat_output import ChoiceOutput, tool_mode
 from tokenloom.serve.errors import error_response
 from tokenloom.serve.frontend import Frontend, Indexed, chain, first, gather
 from tokenloom.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -49,7 +50,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     if body.prompt is not None:
         ids = await fe.encode_async(body.prompt, body.add_special_tokens)
     else:
-        ids = await fe.chat_ids_async(body.messages or [], body.add_generation_prompt)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        ids = await fe.chat_ids_async(body.messages or [], body.add_generation_prompt, tools,
+                                      body.chat_template_kwargs)
     return {"count": len(ids), "max_model_len": fe.max_model_len, "tokens": ids}
 
 
@@ -182,14 +185,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     fe = _frontend(request)
     fe.check_model(body.model)
     served, tok = fe.model_name, fe.tokenizer
-    ids = await fe.chat_ids_async(body.messages, body.add_generation_prompt)
-    params = fe.chat_params(body, len(ids))
+    mode = tool_mode(body, fe.tool_parser)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    ids = await fe.chat_ids_async(body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs,
+                                  body.continue_final_message)
+    reasoning = fe.reasoning_for(ids)
+    params = fe.chat_params(body, len(ids), fe.chat_constraint(body, mode, reasoning))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "created": created, "model": served}
     stream = fe.run([ids], [params])
     if body.stream:
         head = await first(stream)
-        sse = _chat_sse(head, stream, base, body, len(ids), tok, request.state.usage)
+        choices = [ChoiceOutput(mode, reasoning) for _ in range(body.n)]
+        sse = _chat_sse(head, stream, base, body, len(ids), tok, request.state.usage, choices)
         return StreamingResponse(sse, media_type="text/event-stream")
     whole = await gather_or_abort(request, stream, 1)
     if whole is None:
@@ -198,13 +206,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     result = []
     for c in out.outputs:
         lp = {"content": _chat_logprobs(c.logprobs or [], tok)} if body.logprobs else None
-        result.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                       "finish_reason": c.finish_reason})
+        message, finish = ChoiceOutput(mode, reasoning).message(c.text, c.finish_reason)
+        result.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     request.state.usage.update(prompt_tokens=len(ids), completion_tokens=completion_tokens)
     timing = _timing(out.metrics)
     return {**base, "object": "chat.completion", "choices": result, "metrics": timing,
             "usage": _usage(len(ids), completion_tokens, out.num_cached_tokens)}
+
+
+def _extend(delta: dict[str, Any], more: dict[str, Any]) -> None:
+    """Add `more`'s fields to a chat delta (text fields concatenated, tool-call pieces appended)."""
+    for k, v in more.items():
+        delta[k] = delta[k] + v if k in delta else v
 
 
 def _chat_logprobs(lps: list[Any], tok: Any) -> list[dict[str, Any]]:
@@ -217,7 +231,7 @@ def _chat_logprobs(lps: list[Any], tok: Any) -> list[dict[str, Any]]:
 
 async def _chat_sse(head: Any, stream: AsyncIterator[tuple[int, RequestOutput]], base: dict[str, Any],
                     body: ChatCompletionRequest, prompt_tokens: int, tok: Any,
-                    usage: dict[str, int]) -> AsyncIterator[str]:
+                    usage: dict[str, int], choices: list[ChoiceOutput]) -> AsyncIterator[str]:
     chunk = {**base, "object": "chat.completion.chunk"}
     completion_tokens = cached = 0
     usage["prompt_tokens"] = prompt_tokens
@@ -232,9 +246,15 @@ async def _chat_sse(head: Any, stream: AsyncIterator[tuple[int, RequestOutput]],
                 completion_tokens += len(c.token_ids)
                 usage["completion_tokens"] = completion_tokens
                 lp = {"content": _chat_logprobs(c.logprobs, tok)} if body.logprobs and c.logprobs else None
-                delta = {"content": c.text} if c.text or not c.finish_reason else {}
+                delta = choices[c.index].feed(c.text)
+                finish = None
+                if c.finish_reason:
+                    last, finish = choices[c.index].finish(c.finish_reason)
+                    _extend(delta, last)
+                if not delta and not finish and lp is None:
+                    continue  # held back by a parser (a tag that may be starting); nothing to send yet
                 piece = {**chunk, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
-                                               "finish_reason": c.finish_reason}]}
+                                               "finish_reason": finish}]}
                 if out.finished:
                     piece["metrics"] = _timing(out.metrics)
                 yield _sse(piece)

@@ -20,11 +20,12 @@ from tokenloom.outputs import TokenLogprob
 
 
 def can_speculate(seq: Sequence) -> bool:
-    """Penalties and a pending min_tokens make each position's distribution depend on the tokens
-    before it inside the draft run; such requests decode one token at a time (in the same batch)."""
+    """Penalties, a pending min_tokens and an output grammar make each position's distribution depend on
+    the tokens before it inside the draft run; such requests decode one token at a time (in the same
+    batch). Constrained requests would need a mask per draft position and a matcher rollback."""
     p = seq.params
     return (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and seq.num_output_tokens >= p.min_tokens)
+            and seq.num_output_tokens >= p.min_tokens and seq.constraint is None)
 
 
 def verify_batch(batch: SamplingBatch, logits: torch.Tensor, sampler: Sampler) -> dict[int, Verified]:
@@ -37,14 +38,18 @@ def verify(seq: Sequence, logits: torch.Tensor, sampler: Sampler, args: Sampling
     `args`: the request's sampling parameters for those k + 1 rows (made here when not given)."""
     drafts = seq.spec.token_ids
     k = len(drafts)
+    # logit_bias, allowed_token_ids and bad words, per position as if the drafts before it were accepted
+    # (the raw `logits` stay for logprobs).
+    processed = sampler.process_run(seq, logits)  # (k + 1, vocab)
     if seq.params.greedy:
-        target = logits.argmax(dim=-1).tolist()  # (k + 1,)
+        target = processed.argmax(dim=-1).tolist()  # (k + 1,)
         a = 0
         while a < k and target[a] == drafts[a]:
             a += 1
         tokens = drafts[:a] + [target[a]]
     else:
-        tokens = _rejection_sample(seq, logits, sampler, args or SamplingArgs.of([seq] * (k + 1), logits.device))
+        tokens = _rejection_sample(seq, processed, sampler,
+                                   args or SamplingArgs.of([seq] * (k + 1), logits.device))
         a = len(tokens) - 1
     want = seq.params.logprobs
     lps: list[TokenLogprob | None] = [None] * len(tokens)
