@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PROMPTS
+from tokenloom.engine import logits_processors
 from tokenloom import LLM, SamplingParams
 from tokenloom.config import EngineConfig
 from tokenloom.engine.async_engine import AsyncLLMEngine
@@ -41,14 +42,14 @@ def test_a_sampling_fault_fails_its_request_alone(llm: LLM, monkeypatch: pytest.
     want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], GREEDY)]
     eng = llm.engine
     poisoned = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4, stop_token_ids=[1])
-    original = eng.sampler._mask_stop_tokens
+    original = logits_processors.mask_stop_tokens
 
-    def mask(logits, seqs):  # type: ignore[no-untyped-def]
-        if any(s.params is poisoned for s in seqs):
+    def mask(logits, rows):  # type: ignore[no-untyped-def]
+        if any(r.params is poisoned for r in rows):
             raise IndexError("a bad row")
-        original(logits, seqs)
+        original(logits, rows)
 
-    monkeypatch.setattr(eng.sampler, "_mask_stop_tokens", mask)
+    monkeypatch.setattr(logits_processors, "mask_stop_tokens", mask)
     outs = llm.generate(PROMPTS[:3] + [PROMPTS[0]], [GREEDY] * 3 + [poisoned])
     assert [o.outputs[0].token_ids for o in outs[:3]] == want
     assert all(o.error is None for o in outs[:3])
@@ -83,14 +84,14 @@ def test_async_engine_survives_a_failed_request(tiny_llama: Path, monkeypatch: p
     engine = AsyncLLMEngine.from_config(EngineConfig(model=str(tiny_llama), **KW), max_n=4)
     try:
         poisoned = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4, stop_token_ids=[1])
-        original = engine.engine.sampler._mask_stop_tokens
+        original = logits_processors.mask_stop_tokens
 
-        def mask(logits, seqs):  # type: ignore[no-untyped-def]
-            if any(s.params is poisoned for s in seqs):
+        def mask(logits, rows):  # type: ignore[no-untyped-def]
+            if any(r.params is poisoned for r in rows):
                 raise IndexError("a bad row")
-            original(logits, seqs)
+            original(logits, rows)
 
-        monkeypatch.setattr(engine.engine.sampler, "_mask_stop_tokens", mask)
+        monkeypatch.setattr(logits_processors, "mask_stop_tokens", mask)
         ids = engine.tokenizer.encode(PROMPTS[0])
 
         async def run(params: SamplingParams) -> list[int]:

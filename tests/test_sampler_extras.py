@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from tokenloom.engine.sampler import RowContext, Sampler, SamplingArgs
+from tokenloom.engine.logits_processors import RowContext, process, process_run
+from tokenloom.engine.sampler import Sampler, SamplingArgs
 from tokenloom.engine.sequence import Sequence
 from tokenloom.errors import InvalidRequest
 from tokenloom.sampling_params import SamplingParams
@@ -179,7 +180,7 @@ def test_repetition_window_limits_the_penalty() -> None:
     for window, seen in [(None, {0, 1, 2, 3}), (2, {2, 3}), (3, {1, 2, 3}), (10, {0, 1, 2, 3}), (0, set())]:
         params = SamplingParams(temperature=0, repetition_penalty=2.0, repetition_window=window)
         got = logits.clone()
-        s.process_logits(got, [RowContext.of(seq(params, prompt=prompt, output=output))])
+        process(got, [RowContext.of(seq(params, prompt=prompt, output=output))])
         want = logits[0].clone()
         for t in seen:
             want[t] = want[t] / 2.0 if want[t] > 0 else want[t] * 2.0
@@ -225,14 +226,14 @@ def test_process_run_processes_each_draft_position() -> None:
     s = seq(params, output=[1])
     s.spec.token_ids = [5, 1]
     logits = torch.zeros(3, VOCAB)
-    out = Sampler().process_run(s, logits)
+    out = process_run(s, logits)
     assert torch.equal(logits, torch.zeros(3, VOCAB))  # the raw rows are untouched (logprobs)
     assert math.isinf(float(out[1, 6])) and float(out[0, 6]) == 0.0 and float(out[2, 6]) == 0.0
     assert torch.equal(out[:, 2], torch.full((3,), -1.0))
     plain = seq(SamplingParams(temperature=0))
     plain.spec.token_ids = [5]
     two = logits[:2]
-    assert Sampler().process_run(plain, two) is two  # nothing to do: no copy
+    assert process_run(plain, two) is two  # nothing to do: no copy
 
 
 def test_bans_that_leave_no_token_fail_the_request() -> None:

@@ -1,18 +1,17 @@
 """Turns each scheduled sequence's logits row into its next token, plus logprobs when asked.
 
-Order of operations (as vLLM): logit_bias -> allowed_token_ids -> bad words -> min_tokens mask ->
-repetition/presence/frequency penalties -> greedy argmax, or temperature -> top-k -> top-p -> typical-p ->
-min-p -> sample. The steps before the argmax ("processing") run only on the rows whose request needs them
-(SamplingParams.needs_logits_processing, or a pending min_tokens): a batch without such rows skips them.
-Sampling uses the exponential race
-(argmax p_i / E_i, E_i ~ Exp(1)), drawing E from the request's own generator when it has a seed, so a
-seeded request draws the same numbers whatever else is in the batch. Logprobs are of the raw model
-distribution (log_softmax of the logits before any processing), as the OpenAI API reports them.
+Order of operations (as vLLM): the logits processors (engine/logits_processors.py: logit_bias,
+allowed_token_ids, bad words, min_tokens mask, penalties, then the output grammar's bitmask; only on the
+rows whose request needs them) -> greedy argmax, or temperature -> top-k -> top-p -> typical-p -> min-p ->
+sample. Sampling uses the exponential race (argmax p_i / E_i, E_i ~ Exp(1)), drawing E from the request's
+own generator when it has a seed, so a seeded request draws the same numbers whatever else is in the
+batch. Logprobs are of the raw model distribution (log_softmax of the logits before any processing), as
+the OpenAI API reports them.
 
 Each step, `prepare` reads the batch's sequences once into a SamplingBatch (which logits rows sample and
 which verify drafts, per-row parameters as tensors); `sample` (and spec/verify.py for verifying rows)
-consume it. A verifying sequence's rows are processed by `Sampler.process_run` (row i as if its drafts
-before i were already its tokens), which spec/verify.py applies before its argmax / rejection sampling.
+consume it. A verifying sequence's rows are processed by `logits_processors.process_run`, which
+spec/verify.py applies before its argmax / rejection sampling.
 """
 
 from __future__ import annotations
@@ -22,10 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenloom.engine import logits_processors as lp
 from tokenloom.engine.sequence import Sequence
-from tokenloom.errors import InvalidRequest
 from tokenloom.outputs import TokenLogprob
-from tokenloom.sampling_params import SamplingParams
 
 LOGITS_DTYPE = torch.float32  # models/llama.py compute_logits: the sampler always sees float32 logits
 
@@ -52,30 +50,6 @@ class SamplingArgs:
 
 
 @dataclass(frozen=True)
-class RowContext:
-    """What processing one logits row reads: its request's parameters and the tokens before its position
-    (a plain row: the sequence's tokens; a verifying row i: those followed by the drafts before i)."""
-
-    params: SamplingParams
-    token_ids: Seq[int]  # prompt + output so far
-    prompt_len: int
-    stop_token_ids: frozenset[int]  # EOS (unless ignore_eos) + the request's stop_token_ids
-
-    @classmethod
-    def of(cls, seq: Sequence) -> RowContext:
-        return cls(seq.params, seq.token_ids, seq.prompt_len, seq.stop_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.prompt_len
-
-    @property
-    def min_tokens_pending(self) -> bool:
-        """Stop tokens may not be sampled yet (min_tokens)."""
-        return self.num_output_tokens < self.params.min_tokens and bool(self.stop_token_ids)
-
-
-@dataclass(frozen=True)
 class VerifyRow:
     """A sequence that verifies k drafts: its k + 1 logits rows [start, end)."""
 
@@ -97,7 +71,7 @@ class SamplingBatch:
     greedy: list[int]  # indices into the P plain rows that take the argmax
     sampled: list[int]  # the others
     args: SamplingArgs | None  # of the `sampled` rows
-    processed: list[int]  # indices into the P plain rows whose logits are processed (see _needs_processing)
+    processed: list[int]  # indices into the P plain rows whose logits are processed (lp.needs_processing)
     constrained: list[int]  # indices into the P plain rows whose output grammar masks this step's tokens
     logprobs: list[int | None] | None  # (P,) top-N asked per plain row; None: no row asked
     verify: list[VerifyRow]  # sequences verifying drafts, in batch order
@@ -164,7 +138,7 @@ class Sampler:
             num_rows=len(seqs), seqs=plain, batch_rows=plain_rows, logit_rows=logit_rows,
             greedy=greedy, sampled=sampled,
             args=SamplingArgs.of([plain[i] for i in sampled], self.device) if sampled else None,
-            processed=[i for i, s in enumerate(plain) if _needs_processing(s)],
+            processed=[i for i, s in enumerate(plain) if lp.needs_processing(s)],
             constrained=[i for i, s in enumerate(plain) if s.constraint is not None and s.constraint.masks],
             logprobs=want if any(w is not None for w in want) else None,
             verify=verify,
@@ -184,19 +158,19 @@ class Sampler:
         raw = logits
         seqs = batch.seqs
         if batch.processed:  # `raw` stays untouched for logprobs: process a copy
-            ctxs = [RowContext.of(seqs[i]) for i in batch.processed]
+            ctxs = [lp.RowContext.of(seqs[i]) for i in batch.processed]
             if len(batch.processed) == len(seqs):
                 logits = logits.clone()
-                self.process_logits(logits, ctxs)
+                lp.process(logits, ctxs)
             else:  # only the rows that need it: (len(processed), vocab), written back into a copy
                 rows = torch.tensor(batch.processed, dtype=torch.long, device=logits.device)
                 sub = logits.index_select(0, rows)
-                self.process_logits(sub, ctxs)
+                lp.process(sub, ctxs)
                 logits = logits.index_copy(0, rows, sub)
         if batch.constrained:
             if logits is raw:
                 logits = logits.clone()
-            self._apply_grammar(logits, seqs, batch.constrained)
+            lp.apply_grammar(logits, seqs, batch.constrained)
 
         if batch.args is None:  # every plain row is greedy
             token_ids = first_argmax(logits)
@@ -214,153 +188,6 @@ class Sampler:
             if logprobs is not None:
                 out.logprobs[b] = logprobs[i]
         return out
-
-    @staticmethod
-    def _apply_grammar(logits: torch.Tensor, seqs: Seq[Sequence], rows: list[int]) -> None:
-        """One token bitmask for the step: each constrained row's matcher writes its allowed tokens, then one
-        batched call sets every other token of those rows to -inf (unconstrained rows are not touched)."""
-        from tokenloom.structured import allocate, apply  # the grammar engine loads with its first user
-
-        bitmask = allocate(logits.shape[0], logits.shape[1])  # (P, ceil(vocab / 32)) int32, all allowed
-        for r in rows:
-            constraint = seqs[r].constraint
-            if constraint is not None:
-                constraint.fill(bitmask, r)
-        apply(logits, bitmask, rows)
-        dead = torch.isneginf(logits[rows]).all(dim=-1).nonzero().flatten().tolist()
-        if dead:  # its other bans (allowed_token_ids, bad words) leave the grammar no token
-            raise InvalidRequest("the output constraint leaves no token the request's other settings allow",
-                                 "structured_outputs")
-
-    def process_run(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
-        """A verifying sequence's (k + 1, vocab) logits, processed as `sample` processes a plain row's: row i
-        as if the drafts before it were already the sequence's tokens (what bad words, a pending min_tokens
-        and penalties see there). Returns `logits` itself when nothing applies, else a processed copy; the
-        raw rows stay the caller's, for logprobs."""
-        drafts = seq.spec.token_ids
-        rows = logits.shape[0]  # k + 1
-        if not (seq.params.needs_logits_processing or RowContext.of(seq).min_tokens_pending):
-            return logits
-        tokens = list(seq.token_ids)
-        ctxs = [RowContext(seq.params, tokens + list(drafts[:i]), seq.prompt_len, seq.stop_token_ids)
-                for i in range(rows)]
-        out = logits.clone()
-        self.process_logits(out, ctxs)
-        return out
-
-    def process_logits(self, logits: torch.Tensor, ctxs: Seq[RowContext]) -> None:
-        """Everything before the argmax / temperature, in place on (R, vocab) `logits` (row i: ctxs[i]), in
-        vLLM's order: logit_bias -> allowed_token_ids -> bad words -> min_tokens stop mask -> penalties. Raises
-        InvalidRequest for a row whose bans leave no token (its request fails alone: engine._sample_each)."""
-        self._apply_logit_bias(logits, ctxs)
-        self._apply_allowed_token_ids(logits, ctxs)
-        self._ban_bad_words(logits, ctxs)
-        self._mask_stop_tokens(logits, ctxs)
-        self._apply_penalties(logits, ctxs)
-        # A row of -inf would sample garbage (NaN probabilities), or silently token 0 when greedy.
-        if any(c.params.allowed_token_ids is not None or c.params.bad_words_token_ids or c.min_tokens_pending
-               for c in ctxs):
-            dead = torch.isneginf(logits).all(dim=-1).nonzero().flatten().tolist()
-            if dead:
-                p = ctxs[dead[0]].params
-                field_name = "allowed_token_ids" if p.allowed_token_ids is not None else "bad_words_token_ids"
-                raise InvalidRequest(
-                    "no token may be sampled: allowed_token_ids, bad_words_token_ids and min_tokens (stop tokens "
-                    "banned until then) together exclude the whole vocabulary", field_name,
-                )
-
-    @staticmethod
-    def _apply_logit_bias(logits: torch.Tensor, ctxs: Seq[RowContext]) -> None:
-        # One scatter-add for every row's biases; ids past the vocabulary are ignored (the engine rejects them).
-        rows: list[int] = []
-        cols: list[int] = []
-        vals: list[float] = []
-        for i, c in enumerate(ctxs):
-            bias = c.params.logit_bias
-            if bias:
-                rows.extend([i] * len(bias))
-                ids, values = zip(*bias)
-                cols.extend(ids)
-                vals.extend(values)
-        if not rows:
-            return
-        device = logits.device
-        r = torch.tensor(rows, dtype=torch.long, device=device)
-        t = torch.tensor(cols, dtype=torch.long, device=device)
-        v = torch.tensor(vals, dtype=logits.dtype, device=device)
-        keep = t < logits.shape[1]
-        logits.index_put_((r[keep], t[keep]), v[keep], accumulate=True)  # ids are unique per row (SamplingParams)
-
-    @staticmethod
-    def _apply_allowed_token_ids(logits: torch.Tensor, ctxs: Seq[RowContext]) -> None:
-        """-inf for every token outside each row's allowed_token_ids."""
-        idx = [i for i, c in enumerate(ctxs) if c.params.allowed_token_ids is not None]
-        if not idx:
-            return
-        device, vocab = logits.device, logits.shape[1]
-        allowed = [c.params.allowed_token_ids or () for c in (ctxs[i] for i in idx)]
-        r = torch.tensor([j for j, ids in enumerate(allowed) for _ in ids], dtype=torch.long, device=device)
-        t = torch.tensor([t for ids in allowed for t in ids], dtype=torch.long, device=device)
-        keep = t < vocab
-        banned = torch.ones((len(idx), vocab), dtype=torch.bool, device=device)  # (A, vocab)
-        banned[r[keep], t[keep]] = False
-        rows = torch.tensor(idx, dtype=torch.long, device=device)
-        logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(banned, float("-inf")))
-
-    @staticmethod
-    def _ban_bad_words(logits: torch.Tensor, ctxs: Seq[RowContext]) -> None:
-        """vLLM's NoBadWordsLogitsProcessor: a one-token bad word is banned always; a longer one's last token when
-        the output so far (not the prompt, as vLLM) ends with its first len - 1 tokens."""
-        rows: list[int] = []
-        cols: list[int] = []
-        for i, c in enumerate(ctxs):
-            words = c.params.bad_words_token_ids
-            if not words:
-                continue
-            out_len = c.num_output_tokens
-            # The output's last (longest word - 1) tokens: all a prefix can match (never prompt tokens).
-            longest = max(len(w) for w in words) - 1
-            tail = tuple(c.token_ids[len(c.token_ids) - min(longest, out_len):]) if longest else ()
-            for w in words:
-                n = len(w) - 1
-                if n == 0 or (n <= len(tail) and tail[len(tail) - n:] == w[:n]):
-                    rows.append(i)
-                    cols.append(w[-1])
-        if rows:
-            device = logits.device
-            r = torch.tensor(rows, dtype=torch.long, device=device)
-            t = torch.tensor(cols, dtype=torch.long, device=device)
-            keep = t < logits.shape[1]
-            logits[r[keep], t[keep]] = float("-inf")
-
-    @staticmethod
-    def _mask_stop_tokens(logits: torch.Tensor, ctxs: Seq[RowContext]) -> None:
-        """min_tokens: stop tokens (EOS and the request's stop_token_ids) cannot be sampled yet."""
-        vocab = logits.shape[1]
-        for i, c in enumerate(ctxs):
-            if c.min_tokens_pending:
-                ids = [t for t in c.stop_token_ids if t < vocab]
-                if ids:
-                    logits[i, ids] = float("-inf")
-
-    @staticmethod
-    def _apply_penalties(logits: torch.Tensor, ctxs: Seq[RowContext]) -> None:
-        vocab = logits.shape[1]
-        for i, c in enumerate(ctxs):
-            p = c.params
-            window = p.repetition_window
-            if p.repetition_penalty != 1.0 and window != 0:
-                # HF/CTRL: every token seen in prompt or output (the last `window` of them when set); positive
-                # logits divided, negative multiplied.
-                recent = c.token_ids if window is None else c.token_ids[-window:]
-                seen = torch.tensor(sorted(set(recent)), dtype=torch.long, device=logits.device)
-                seen = seen[seen < vocab]
-                row = logits[i, seen]
-                logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and c.num_output_tokens:
-                out = torch.tensor(c.token_ids[c.prompt_len :], dtype=torch.long, device=logits.device)
-                counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
     @staticmethod
     def probs(seqs: Seq[Sequence], logits: torch.Tensor) -> torch.Tensor:
@@ -419,13 +246,6 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """(S, vocab) -> (S,) index of each row's largest value, the first one on ties (as argmax), in less
     than half argmax's time on CPU (docs/performance-notes.md#greedy-sampling)."""
     return x.max(dim=-1).indices
-
-
-def _needs_processing(s: Sequence) -> bool:
-    """Whether `s`'s logits row is processed this step: its request's logit_bias, allowed_token_ids, bad
-    words or penalties (SamplingParams.needs_logits_processing, cached per request), or a pending min_tokens."""
-    p = s.params
-    return p.needs_logits_processing or (s.num_output_tokens < p.min_tokens and bool(s.stop_token_ids))
 
 
 def _typical(logits: torch.Tensor, typical_ps: list[float]) -> torch.Tensor:

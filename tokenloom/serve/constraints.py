@@ -82,8 +82,8 @@ def tool_choice_constraint(tools: list[Tool], choice: str | NamedToolChoice, par
     """`required`: a JSON array of calls [{"name": ..., "parameters": {...}}] (one call unless parallel
     tool calls are allowed), each held to its function's schema; a named function: its arguments object."""
     if isinstance(choice, NamedToolChoice):
-        tool = next(t for t in tools if t.function.name == choice.function.name)
-        return StructuredOutput("json_schema", json.dumps(_parameters(tool)), field="tool_choice")
+        i, tool = next((i, t) for i, t in enumerate(tools) if t.function.name == choice.function.name)
+        return StructuredOutput("json_schema", json.dumps(_parameters(tool)), field=f"tools.{i}.function.parameters")
     call = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
                                                        "parameters": _parameters(t)},
                        "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tokenloom.serve.protocol import Body, Bool, Float, Int, Penalty, Request, Seed, unsupported
 
@@ -61,6 +61,12 @@ class Options(Body):
         return self
 
 
+def _no_images(images: list[str] | None) -> list[str] | None:
+    if images:
+        raise ValueError("this model takes text only")
+    return images
+
+
 class ToolFunctionCall(Body):
     name: str
     arguments: dict[str, Any] = Field(default_factory=dict)
@@ -79,11 +85,10 @@ class Message(Body):
     thinking: str | None = None
     tool_name: str | None = None
 
-    @model_validator(mode="after")
-    def _text_only(self) -> "Message":
-        if self.images:
-            raise ValueError("images: this model takes text only")
-        return self
+    @field_validator("images")
+    @classmethod
+    def _text_only(cls, images: list[str] | None) -> list[str] | None:
+        return _no_images(images)
 
     def text(self) -> str:
         return self.content
@@ -130,11 +135,10 @@ class GenerateRequest(OllamaRequest):
     template: None = None  # the model's own chat template is used: only null is accepted
     context: None = None  # deprecated in Ollama; send the history to /api/chat instead
 
-    @model_validator(mode="after")
-    def _text_only(self) -> "GenerateRequest":
-        if self.images:
-            raise ValueError("images: this model takes text only")
-        return self
+    @field_validator("images")
+    @classmethod
+    def _text_only(cls, images: list[str] | None) -> list[str] | None:
+        return _no_images(images)
 
 
 class ChatRequest(OllamaRequest):

@@ -289,8 +289,8 @@ class ChatCompletionRequest(Sampling):
             if self.tool_choice.function.name not in names:
                 raise InvalidRequest(f"tool_choice names {self.tool_choice.function.name!r}, which is not in "
                                      "tools", "tool_choice")
-        if self.tool_choice == "required" and not self.tools:
-            raise InvalidRequest('tool_choice "required" needs tools', "tool_choice")
+        if self.tool_choice is not None and not self.tools:
+            raise InvalidRequest("tool_choice is only allowed when tools are given", "tool_choice")
         if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
             raise InvalidRequest("continue_final_message needs add_generation_prompt false and a final "
                                  "assistant message", "continue_final_message")

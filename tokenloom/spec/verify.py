@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenloom.engine.logits_processors import process_run
 from tokenloom.engine.sampler import Sampler, SamplingArgs, SamplingBatch, Verified, logprobs_of
 from tokenloom.engine.sequence import Sequence
 from tokenloom.outputs import TokenLogprob
@@ -40,7 +41,7 @@ def verify(seq: Sequence, logits: torch.Tensor, sampler: Sampler, args: Sampling
     k = len(drafts)
     # logit_bias, allowed_token_ids and bad words, per position as if the drafts before it were accepted
     # (the raw `logits` stay for logprobs).
-    processed = sampler.process_run(seq, logits)  # (k + 1, vocab)
+    processed = process_run(seq, logits)  # (k + 1, vocab)
     if seq.params.greedy:
         target = processed.argmax(dim=-1).tolist()  # (k + 1,)
         a = 0
