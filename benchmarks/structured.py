@@ -17,6 +17,9 @@
     each, on a freshly built GrammarBackend; and that backend's construction (xgrammar's TokenizerInfo for the
     vocabulary) once (xgrammar already imported).
 
+    Also at equal lengths ("fixed length" rows): a schema that cannot be complete within max_tokens
+    against unconstrained requests with ignore_eos, so both decode exactly max_tokens tokens per request.
+
     python benchmarks/structured.py [--model PATH] [--streams 1 32] [--max-tokens 128] [--rounds 3] [--json OUT]
 """
 
@@ -60,6 +63,16 @@ SCHEMA: dict[str, Any] = {
         "bio": {"type": "string", "maxLength": 200},
     },
     "required": ["name", "age", "occupation", "department", "active", "skills", "address", "bio"],
+    "additionalProperties": False,
+}
+
+# The same comparison at equal output lengths: a schema that cannot be complete within max_tokens (at least
+# 64 list items) against unconstrained requests that ignore EOS, so every request of both decodes exactly
+# max_tokens tokens in batches of the same size: the per-token cost of the grammar alone.
+FIXED_LENGTH_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"notes": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 64}},
+    "required": ["notes"],
     "additionalProperties": False,
 }
 
@@ -131,10 +144,14 @@ def timed_generate(llm: LLM, ps: list[list[int]], sp: SamplingParams) -> dict[st
     }
 
 
-def measure_decode(llm: LLM, a: argparse.Namespace, structured: StructuredOutput) -> dict[int, dict[str, Any]]:
-    plain = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
-    constrained = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, structured=structured)
-    conds = {"unconstrained": plain, "constrained": constrained}
+def measure_decode(llm: LLM, a: argparse.Namespace, structured: StructuredOutput,
+                   fixed: StructuredOutput) -> dict[int, dict[str, Any]]:
+    conds = {
+        "unconstrained": SamplingParams(temperature=0.0, max_tokens=a.max_tokens),
+        "constrained": SamplingParams(temperature=0.0, max_tokens=a.max_tokens, structured=structured),
+        "unconstrained_fixed": SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True),
+        "constrained_fixed": SamplingParams(temperature=0.0, max_tokens=a.max_tokens, structured=fixed),
+    }
     ps = {n: prompts(llm, n) for n in a.streams}
     for n in a.streams:  # warm-up: kernel builds for each batch shape, the grammar backend and the compile
         for sp in conds.values():
@@ -146,7 +163,7 @@ def measure_decode(llm: LLM, a: argparse.Namespace, structured: StructuredOutput
             for c in order:
                 m = timed_generate(llm, ps[n], conds[c])
                 res[n][c].append(m)
-                print(f"round {r + 1}/{a.rounds} streams={n:<3} {c:<13} {m['tok_s']:8.1f} tok/s  "
+                print(f"round {r + 1}/{a.rounds} streams={n:<3} {c:<19} {m['tok_s']:8.1f} tok/s  "
                       f"mean len {m['mean_len']:6.1f}  TPOT {m['tpot_ms']:6.2f} ms  valid JSON {m['valid_json']:.0%}",
                       file=sys.stderr, flush=True)
     return res
@@ -211,7 +228,8 @@ def main() -> None:
               max_num_seqs=max(128, max(a.streams)), max_num_batched_tokens=max(512, max(a.streams)))
     freeze_gc()  # as `tokenloom serve` and `bench offline` do
     structured = StructuredOutput(kind="json_schema", spec=json.dumps(SCHEMA), field="bench")
-    decode = measure_decode(llm, a, structured)
+    fixed = StructuredOutput(kind="json_schema", spec=json.dumps(FIXED_LENGTH_SCHEMA), field="bench")
+    decode = measure_decode(llm, a, structured, fixed)
     comp = measure_compile(llm, a.compile_repeats)
 
     meta = {
@@ -228,17 +246,17 @@ def main() -> None:
     print(f"\nmodel {meta['model']} on {meta['device']}; CPU {meta['cpu']} (AMX: {'yes' if meta['amx'] else 'no'}), "
           f"torch {meta['torch']}, {meta['threads']} threads; greedy, max_tokens {a.max_tokens}, "
           f"median of {a.rounds} rounds\n")
-    print("| streams | unconstrained tok/s | constrained tok/s | constrained / unconstrained "
+    print("| streams | schema | unconstrained tok/s | constrained tok/s | constrained / unconstrained "
           "| mean output len (unc / con) | mean TPOT ms (unc / con) | valid JSON (unc / con) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     summary = {}
-    for n in a.streams:
-        u, c = decode[n]["unconstrained"], decode[n]["constrained"]
+    for n, (label, suffix) in [(n, x) for n in a.streams for x in (("profile", ""), ("fixed length", "_fixed"))]:
+        u, c = decode[n]["unconstrained" + suffix], decode[n]["constrained" + suffix]
         row = {k: (med(u, k), med(c, k)) for k in ("tok_s", "mean_len", "tpot_ms", "valid_json")}
         ratio = row["tok_s"][1] / row["tok_s"][0]
-        summary[n] = {**{f"{k}_{s}": v[i] for k, v in row.items() for i, s in enumerate(("unc", "con"))},
-                      "ratio": ratio}
-        print(f"| {n} | {row['tok_s'][0]:.1f} | {row['tok_s'][1]:.1f} | {ratio:.2f}x "
+        summary[f"{n}{suffix}"] = {**{f"{k}_{s}": v[i] for k, v in row.items() for i, s in enumerate(("unc", "con"))},
+                                   "ratio": ratio}
+        print(f"| {n} | {label} | {row['tok_s'][0]:.1f} | {row['tok_s'][1]:.1f} | {ratio:.2f}x "
               f"| {row['mean_len'][0]:.1f} / {row['mean_len'][1]:.1f} | {row['tpot_ms'][0]:.2f} / {row['tpot_ms'][1]:.2f} "
               f"| {row['valid_json'][0]:.0%} / {row['valid_json'][1]:.0%} |")
     print(f"\n| grammar (schema: {len(SCHEMA['properties'])} properties, nested object) | ms |")

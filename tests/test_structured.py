@@ -18,6 +18,7 @@ from conftest import build_tokenizer
 from tokenloom.errors import InvalidRequest, ModelLoadError
 from tokenloom.sampling_params import StructuredOutput
 from tokenloom.structured import GrammarBackend, GrammarState, allocate, apply, apply_reference, tokenizer_info
+from tokenloom.structured.bitmask import apply_xgrammar
 from tokenloom.tokenizer import Tokenizer
 
 try:
@@ -249,15 +250,20 @@ def test_choices_all_reachable(backend: GrammarBackend, tok: Tokenizer) -> None:
 # --- bitmask kernels ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("vocab, words", [(421, 14), (421, 12), (421, 16), (64, 2), (5, 1)])
+@pytest.mark.parametrize("route", ["auto", "xgrammar"])  # auto: tokenloom's kernel where it is built
+@pytest.mark.parametrize("vocab, words", [(421, 14), (421, 12), (421, 16), (64, 2), (5, 1), (49152, 1536)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_apply_matches_reference(vocab: int, words: int, dtype: torch.dtype) -> None:
+def test_apply_matches_reference(vocab: int, words: int, dtype: torch.dtype, route: str) -> None:
     gen = torch.Generator().manual_seed(vocab * words)
     bitmask = torch.randint(-(2**31), 2**31, (6, words), dtype=torch.int64, generator=gen).to(torch.int32)
+    bitmask[1, : words // 2] = -1  # runs of allowed tokens: the kernel's skip of all-allowed groups
     logits = torch.randn(6, vocab, generator=gen).to(dtype)
-    for rows in ([0, 2, 5], None, []):
+    if route == "xgrammar" and dtype == torch.float64:
+        pytest.skip("xgrammar's kernel takes float32/16 and bfloat16 only")
+    fast_apply = apply if route == "auto" else apply_xgrammar
+    for rows in ([0, 2, 5], [1], None, []):
         fast, slow = logits.clone(), logits.clone()
-        apply(fast, bitmask, rows)
+        fast_apply(fast, bitmask, rows)
         apply_reference(slow, bitmask, rows)
         assert torch.equal(fast, slow)
         listed = list(range(6)) if rows is None else rows
@@ -413,3 +419,14 @@ def smol() -> Tokenizer:
 def test_smollm2_json_schema(smol: Tokenizer, seed: int) -> None:
     backend = GrammarBackend(smol, smol.vocab_size, smol.stop_token_ids)
     check_person(json.loads(generate(backend, smol, StructuredOutput("json_schema", json.dumps(PERSON)), seed)))
+
+
+def test_the_kernel_route_is_taken_where_built() -> None:
+    """On a machine that builds tokenloom's kernels, `apply` uses its own (the fast route); it must then
+    be the one the test above compares with the reference."""
+    from tokenloom.kernels import load_cpu_kernels
+    from tokenloom.structured import bitmask as bm
+
+    if load_cpu_kernels() is None:
+        pytest.skip("no C++ toolchain: apply uses xgrammar's kernel")
+    assert bm._cpu_kernels() is not None

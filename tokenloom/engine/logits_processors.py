@@ -187,7 +187,9 @@ def apply_grammar(logits: torch.Tensor, seqs: Seq[Sequence], rows: list[int]) ->
         if constraint is not None:
             constraint.fill(bitmask, r)
     apply(logits, bitmask, rows)
-    dead = torch.isneginf(logits[rows]).all(dim=-1).nonzero().flatten().tolist()
-    if dead:  # its other bans (allowed_token_ids, bad words) leave the grammar no token
+    # A grammar always allows some token (a stop token once complete); only a row that also bans tokens
+    # (allowed_token_ids, bad words) can be left with none.
+    banning = [r for r in rows if seqs[r].params.allowed_token_ids is not None or seqs[r].params.bad_words_token_ids]
+    if banning and bool(torch.isneginf(logits[banning]).all(dim=-1).any()):
         raise InvalidRequest("the output constraint leaves no token the request's other settings allow",
                              "structured_outputs")

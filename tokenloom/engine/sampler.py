@@ -168,7 +168,7 @@ class Sampler:
                 lp.process(sub, ctxs)
                 logits = logits.index_copy(0, rows, sub)
         if batch.constrained:
-            if logits is raw:
+            if logits is raw and batch.logprobs is not None:  # masked in place unless logprobs need `raw`
                 logits = logits.clone()
             lp.apply_grammar(logits, seqs, batch.constrained)
 

@@ -7,6 +7,8 @@ cover (a model whose lm_head is wider than the mask) count as disallowed.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import xgrammar as xgr
 
@@ -29,6 +31,14 @@ def apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = 
     if not rows:
         return
     covered = min(logits.shape[1], bitmask.shape[1] * 32)
+    kernels = _cpu_kernels()
+    if (kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.stride(1) == 1 and bitmask.device.type == "cpu" and bitmask.is_contiguous()
+            and bitmask.shape[0] == logits.shape[0]):
+        # tokenloom's kernel (csrc/elementwise.cpp): an AVX-512 masked store per 16 logits, rows in parallel;
+        # several times faster than xgrammar's scalar loop on a 49k vocabulary.
+        kernels.apply_token_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.long))
+        return
     if logits.device.type == "cpu" and logits.dtype in _CPU_DTYPES and bitmask.device.type == "cpu":
         # xgrammar's C++ kernel: one pass over the listed rows, bitmask row r masks logits row r.
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=covered, indices=rows)
@@ -36,6 +46,24 @@ def apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = 
         # GPU logits (the mask is filled on CPU, one small copy) or an odd dtype: the torch version.
         apply_reference(logits, bitmask.to(logits.device, non_blocking=True), rows)
         return
+    if covered < logits.shape[1]:
+        logits[rows, covered:] = float("-inf")
+
+
+def _cpu_kernels() -> ModuleType | None:
+    from tokenloom.kernels import load_cpu_kernels
+
+    mod = load_cpu_kernels()
+    return mod if mod is not None and hasattr(mod, "apply_token_bitmask") else None
+
+
+def apply_xgrammar(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
+    """`apply` through xgrammar's own CPU kernel (the route when tokenloom's kernels are not built)."""
+    rows = _check(logits, bitmask, rows)
+    if not rows:
+        return
+    covered = min(logits.shape[1], bitmask.shape[1] * 32)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=covered, indices=rows)
     if covered < logits.shape[1]:
         logits[rows, covered:] = float("-inf")
 

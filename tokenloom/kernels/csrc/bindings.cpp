@@ -8,6 +8,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "scales; returns the dequantized K and V");
   m.def("add_rms_norm", &add_rms_norm, "optional residual add + RMSNorm; returns (normed, new residual)");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation: silu(gate) * up");
+  m.def("apply_token_bitmask", &apply_token_bitmask, "structured outputs: logits[r, j] = -inf where bit j of "
+        "bitmask[r] is 0, for the listed rows (float32 logits, int32 bitmask)");
   m.def("rotary_inplace", &rotary_inplace, "neox rotary embedding applied in place to q and k");
   m.def("skinny_linear", &skinny_linear, "x @ w.T (+ bias) for 1..SKINNY_MAX_ROWS bfloat16 rows, weights streamed once");
   m.def("skinny_available", &skinny_available, "whether skinny_linear has its AVX512-BF16 fast path");

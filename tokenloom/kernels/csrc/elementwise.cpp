@@ -8,8 +8,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <tuple>
 #include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #include "dtype.h"
 #include "kernels.h"
@@ -145,5 +150,43 @@ void rotary_inplace(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at:
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_inplace", [&] {
     rope_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), T, q.size(1), D);
     rope_kernel<scalar_t>(k.data_ptr<scalar_t>(), k.stride(0), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), T, k.size(1), D);
+  });
+}
+
+// Structured outputs: a grammar's token bitmask over the rows it constrains. For each listed row r,
+// logits[r, j] = -inf where bit (j % 32) of bitmask[r, j / 32] is 0; columns past the bitmask's W * 32 are
+// masked too. logits (R, V) float32 with unit column stride; bitmask (R, W) int32 contiguous; rows (n,)
+// int64, each in [0, R). With AVX-512: one masked store of -inf per 16 logits (nothing written where all 16
+// are allowed); the scalar loop does the tail and is the whole kernel elsewhere.
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "apply_token_bitmask: float32 (R, V) logits with unit column stride");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous() &&
+              bitmask.size(0) == logits.size(0), "apply_token_bitmask: contiguous int32 (R, W) bitmask");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "apply_token_bitmask: int64 (n,) rows");
+  const int64_t R = logits.size(0), V = logits.size(1), W = bitmask.size(1), n = rows.size(0);
+  const int64_t covered = std::min<int64_t>(V, W * 32), ls = logits.stride(0);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < R, "apply_token_bitmask: row out of range");
+  float* lp = logits.data_ptr<float>();
+  const uint32_t* mp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, n, grain_rows(V), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* __restrict__ l = lp + rp[i] * ls;
+      const uint32_t* __restrict__ m = mp + rp[i] * W;
+      int64_t j = 0;
+#ifdef __AVX512F__
+      const __m512 minus_inf = _mm512_set1_ps(ninf);
+      for (; j + 16 <= covered; j += 16) {  // j is a multiple of 16: its 16 bits sit in one word
+        const __mmask16 masked = static_cast<__mmask16>(~(m[j >> 5] >> (j & 31)) & 0xffffu);
+        if (masked) _mm512_mask_storeu_ps(l + j, masked, minus_inf);
+      }
+#endif
+      for (; j < covered; ++j)
+        if (!((m[j >> 5] >> (j & 31)) & 1u)) l[j] = ninf;
+      for (; j < V; ++j) l[j] = ninf;
+    }
   });
 }
