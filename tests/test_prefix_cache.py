@@ -134,6 +134,42 @@ def test_second_request_starts_at_its_first_uncached_token(tiny_llama: Path) -> 
     assert llm.reset_prefix_cache() > 0 and llm.generate([prompt], GREEDY)[0].num_cached_tokens == 0
 
 
+def test_the_n_sequences_of_a_request_compute_their_prompt_once(tiny_llama: Path) -> None:
+    """n = 4 of one 22-token prompt: the first sequence computes it, the other three wait and then find its
+    5 full blocks in the prefix cache (2 tokens each), instead of 4 x 22 tokens; the samples are the same as
+    when each computes the prompt itself (prefix caching off)."""
+    kw = dict(dtype="float32", block_size=4, kv_cache_memory="4MiB")
+    prompt = list(range(3, 3 + 22))
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    llm = LLM(str(tiny_llama), **kw)
+    got = llm.generate([prompt], params)[0]
+    assert llm.stats()["prompt_tokens_computed"] == 22 + 3 * 2
+    off = LLM(str(tiny_llama), enable_prefix_caching=False, **kw)
+    want = off.generate([prompt], params)[0]
+    assert off.stats()["prompt_tokens_computed"] == 4 * 22
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+
+
+def test_one_request_holds_at_most_half_the_running_slots(tiny_llama: Path) -> None:
+    """n = 8 with max_num_seqs 4: 2 of its sequences run at a time; a request arriving later still gets a
+    slot at once, while the large request goes on (and completes all 8)."""
+    llm = LLM(str(tiny_llama), dtype="float32", block_size=4, kv_cache_memory="4MiB", max_num_seqs=4)
+    eng = llm.engine
+    big = eng.add_request(list(range(3, 11)), SamplingParams(n=8, temperature=0, max_tokens=12, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert sum(s.request_id == big for s in eng.scheduler.running) == 2
+    small = eng.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    eng.step()
+    assert any(s.request_id == small for s in eng.scheduler.running)
+    done: dict[str, int] = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = 1
+    assert set(done) == {big, small} and eng.kv.pool.num_used == 0
+
+
 def test_preempted_requests_are_queried_once(tiny_llama: Path) -> None:
     """A preempted request's re-admission is not a new lookup: queries count each prompt once."""
     # 2 KiB per block of 4 float32 tokens: 80 blocks = 320 tokens, far less than ten prompts + outputs.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,6 +20,7 @@ from tokenloom.router.config import RouterConfig
 from tokenloom.router.policies import CacheAware, LeastOutstanding, RoundRobin
 from tokenloom.router.prefix import prompt_text, routing_key
 from tokenloom.router.workers import Worker, WorkerPool
+from tokenloom.secrets_file import SecretFiles, read_secret
 
 
 def workers(*outstanding: int) -> list[Worker]:
@@ -120,6 +122,28 @@ def test_cluster_passes_engine_flags_to_workers() -> None:
     argv = worker_argv(args)
     assert argv[:5] == ["--model", "m", "--kv-cache-memory", "1GiB", "--no-prefix-caching"]
     assert "--dtype" not in argv and argv[argv.index("--api-key") + 1] == "k"
+    # What `tokenloom cluster` runs: the key goes through a private file, never the workers' command lines.
+    files = SecretFiles()
+    try:
+        argv = worker_argv(args, files)
+        assert "k" not in argv and "--api-key" not in argv
+        path = Path(argv[argv.index("--api-key-file") + 1])
+        assert path.read_text() == "k" and path.stat().st_mode & 0o777 == 0o600
+        assert files.folder.stat().st_mode & 0o777 == 0o700
+    finally:
+        files.close()
+    assert not path.exists()
+
+
+def test_secret_files_are_read_and_checked(tmp_path: Path) -> None:
+    f = tmp_path / "key"
+    f.write_text("s3cret\n")
+    assert read_secret(None, str(f), "api-key") == "s3cret" and read_secret("v", None, "api-key") == "v"
+    assert read_secret(None, None, "api-key") is None
+    for value, path in (("v", str(f)), (None, str(tmp_path / "missing")), (None, str(tmp_path / "empty"))):
+        (tmp_path / "empty").write_text(" \n")
+        with pytest.raises(ConfigError, match="api-key"):
+            read_secret(value, path, "api-key")
 
 
 # --- against fake workers ------------------------------------------------------------------------------

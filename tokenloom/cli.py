@@ -20,6 +20,7 @@ from tokenloom.llm import LLM
 from tokenloom.quant.write_checkpoint import quantize_checkpoint
 from tokenloom.router.cli import add_cluster_parser, add_router_parser
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.secrets_file import read_secret
 from tokenloom.serve.app import build_app
 from tokenloom.serve.reasoning import REASONING_PARSERS
 from tokenloom.serve.tool_parsers import TOOL_PARSERS
@@ -55,6 +56,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    args.api_key = read_secret(args.api_key, args.api_key_file, "api-key")
+    args.kv_secret = read_secret(args.kv_secret, args.kv_secret_file, "kv-secret")
     config = engine_config(args)
     if args.role != "both" and not config.enable_prefix_caching:
         raise ConfigError(f"--role {args.role} hands KV blocks over through the prefix cache: drop --no-prefix-caching")
@@ -145,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    srv.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="--api-key read from this file (keeps it off the command line)")
     srv.add_argument("--served-model-name", default=None, help="the model id clients use (default: from the path)")
     srv.add_argument("--max-waiting", type=int, default=256,
                      help="sequences allowed to queue (a request counts its n); more get 429")
@@ -164,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prefill/decode roles: shared secret that signs (HMAC-SHA256) every KV transfer, the same "
                           "on prefill and decode workers (default: --api-key); a decode worker without either "
                           "binds its KV receiver to loopback only")
+    srv.add_argument("--kv-secret-file", default=None, metavar="PATH",
+                     help="--kv-secret read from this file (keeps it off the command line)")
     srv.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                      help="how the model writes tool calls (default: detected from its chat template)")
     srv.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),

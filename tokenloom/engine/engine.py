@@ -159,6 +159,7 @@ class LLMEngine:
                 from tokenloom.engine.constraint import SequenceConstraint
 
                 seq.constraint = SequenceConstraint(params.structured, compiled, sorted(stop_ids))
+            seq.leader = seqs[0] if seqs else None
             seq.times.arrival = now
             seqs.append(seq)
         return Request(request_id, prompt, prompt_ids, params, seqs, now)

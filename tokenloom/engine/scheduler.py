@@ -4,7 +4,9 @@ Each step gives every running sequence the tokens it needs next (1 for a decode,
 draft tokens, a chunk for a prefill)
 within `max_num_batched_tokens`, then admits waiting sequences in (priority, arrival) order while budget,
 `max_num_seqs` and free KV blocks allow. Decodes are served before prefill chunks so a long prompt never
-stalls other sequences' decoding. When blocks run out, the running sequence with the lowest priority and
+stalls other sequences' decoding. The n sequences of one request share: the first computes their prompt
+and the others then find it in the prefix cache, and together they hold at most half the running slots, so
+one large-n request cannot shut everyone else out. When blocks run out, the running sequence with the lowest priority and
 latest arrival is preempted: its blocks are freed and it is recomputed later (from its first block that
 is no longer in the prefix cache).
 
@@ -105,6 +107,23 @@ class Scheduler:
             heapq.heappop(self._waiting)
         return self._waiting[0][2] if self._waiting else None
 
+    def _sibling_computes_prompt(self, seq: Sequence) -> bool:
+        """One of a request's n sequences waits while the first one computes their shared prompt: it then
+        finds the prompt in the prefix cache instead of computing it again (n = 128 would otherwise compute
+        a long prompt 128 times over, and everyone queued behind it would wait for all of that)."""
+        leader = seq.leader
+        return (leader is not None and self.kv.enable_prefix_caching and seq.num_computed_tokens == 0
+                and not leader.status.finished and leader.num_computed_tokens < leader.prompt_len)
+
+    def _request_share_full(self, seq: Sequence) -> bool:
+        """A request's n sequences hold at most half the running slots (max_num_seqs // 2): the other half
+        stays for other requests, so one request with a large n cannot fill every slot and make everyone
+        queued behind it wait until its completions end. Its other sequences run as these finish."""
+        if seq.leader is None and seq.params.n == 1:
+            return False
+        share = max(1, self.config.max_num_seqs // 2)
+        return sum(1 for s in self.running if s.request_id == seq.request_id) >= share
+
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End a sequence (stopped, length, aborted), wherever it is, and free its blocks at once."""
         if seq.status is SequenceStatus.RUNNING:
@@ -157,10 +176,14 @@ class Scheduler:
 
         # Waiting sequences, unless this step already had to preempt (no room to grow). Each starts
         # after the longest prefix of its tokens already in the cache.
+        deferred: list[tuple[int, int, Sequence]] = []
         while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self._next_waiting()
             if seq is None:
                 break
+            if self._sibling_computes_prompt(seq) or self._request_share_full(seq):
+                deferred.append(heapq.heappop(self._waiting))  # back in the queue after this step's admissions
+                continue
             cached = self.kv.find_cached_prefix(seq)
             n = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
             if not self.kv.allocate_slots(seq, n, cached):
@@ -171,6 +194,9 @@ class Scheduler:
             self.running.append(seq)
             scheduled[id(seq)] = (seq, n)
             budget -= n
+
+        for entry in deferred:
+            heapq.heappush(self._waiting, entry)
 
         batch = ScheduledBatch(preempted=preempted)
         # Decodes first in the flat batch lets attention treat them as one contiguous group.

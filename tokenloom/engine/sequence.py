@@ -105,6 +105,9 @@ class Sequence:
     spec: SpecState = field(default_factory=SpecState)
     output: OutputState = field(default_factory=OutputState)
     constraint: SequenceConstraint | None = None  # the grammar its output must follow (params.structured)
+    # The request's first sequence, for the others of n > 1: they are admitted once it has computed their
+    # shared prompt, and find it in the prefix cache (Scheduler._sibling_computes_prompt).
+    leader: Sequence | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -13,6 +13,7 @@ from tokenloom.errors import ConfigError
 from tokenloom.router.app import build_router_app
 from tokenloom.router.cluster import LocalWorkers
 from tokenloom.router.config import POLICIES, RouterConfig
+from tokenloom.secrets_file import SecretFiles, read_secret
 from tokenloom.serve.reasoning import REASONING_PARSERS
 from tokenloom.serve.server import run_app
 from tokenloom.serve.tool_parsers import TOOL_PARSERS
@@ -35,6 +36,8 @@ def _router_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--read-timeout", type=float, default=d.read_timeout,
                    help="longest silence of a worker mid-response (a stream then ends with an error event)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (forwarded to the workers)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="--api-key read from this file (keeps it off the command line)")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds in-flight responses get to finish after SIGTERM")
     p.add_argument("--kv-transfer-timeout", type=float, default=d.kv_transfer_timeout,
@@ -78,6 +81,7 @@ def add_cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("--kv-secret", default=None,
                    help="with --prefill-workers: the secret signing KV transfers between the workers (default: "
                         "--api-key, else a random one)")
+    p.add_argument("--kv-secret-file", default=None, metavar="PATH", help="--kv-secret read from this file")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS), help="passed to every worker")
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="passed to every worker")
@@ -87,22 +91,25 @@ def add_cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
 
 
 def _run_router(args: argparse.Namespace) -> int:
+    args.api_key = read_secret(args.api_key, args.api_key_file, "api-key")
     config = _config(args, args.worker, args.prefill_worker)
     logging.getLogger("tokenloom.router").setLevel(logging.INFO)  # workers going out and coming back
     run_app(build_router_app(config), args.host, args.port, args.graceful_timeout, args.verbose)
     return 0
 
 
-def worker_argv(args: argparse.Namespace) -> list[str]:
+def worker_argv(args: argparse.Namespace, secrets_dir: SecretFiles | None = None) -> list[str]:
     """The `tokenloom serve` flags every cluster worker gets: the engine flags given to `cluster` (those
-    that differ from their defaults) and the serving flags workers share with the router."""
+    that differ from their defaults) and the serving flags workers share with the router. The API key goes
+    through a private file of `secrets_dir` (when given), not the workers' command lines."""
     argv = engine_argv(args)
     argv += ["--max-waiting", str(args.max_waiting), "--max-n", str(args.max_n),
              "--graceful-timeout", str(args.graceful_timeout)]
     if args.served_model_name is not None:
         argv += ["--served-model-name", args.served_model_name]
     if args.api_key is not None:
-        argv += ["--api-key", args.api_key]
+        argv += (["--api-key-file", secrets_dir.write("api-key", args.api_key)] if secrets_dir is not None
+                 else ["--api-key", args.api_key])
     if args.tool_call_parser is not None:
         argv += ["--tool-call-parser", args.tool_call_parser]
     if args.reasoning_parser is not None:
@@ -121,17 +128,24 @@ def _run_cluster(args: argparse.Namespace) -> int:
         raise ConfigError(f"--worker-ports: {len(ports)} ports given for {total} workers")
     if args.port in ports:
         raise ConfigError(f"--port {args.port} is also in --worker-ports")
+    args.api_key = read_secret(args.api_key, args.api_key_file, "api-key")
+    args.kv_secret = read_secret(args.kv_secret, args.kv_secret_file, "kv-secret")
+    secret_files = SecretFiles()  # the workers read their secrets from here, not from their command lines
     roles: list[list[str]] = [[]] * args.workers
     if args.prefill_workers:
         # Every KV transfer is signed: the given secret, else the API key (the workers get it), else a fresh one.
         kv = [] if args.kv_secret is None and args.api_key is not None else \
-            ["--kv-secret", args.kv_secret or secrets.token_hex(32)]
+            ["--kv-secret-file", secret_files.write("kv-secret", args.kv_secret or secrets.token_hex(32))]
         roles = [["--role", "decode", "--kv-host", args.worker_host, *kv]] * args.workers + \
                 [["--role", "prefill", *kv]] * args.prefill_workers
-    workers = LocalWorkers(ports, args.worker_host, worker_argv(args), roles)
+    workers = LocalWorkers(ports, args.worker_host, worker_argv(args, secret_files), roles)
     urls = workers.urls
     # Bad router flags fail before any worker starts.
-    config = _config(args, urls[:args.workers], urls[args.workers:])
+    try:
+        config = _config(args, urls[:args.workers], urls[args.workers:])
+    except BaseException:
+        secret_files.close()
+        raise
     logging.getLogger("tokenloom.router").setLevel(logging.INFO)
     try:
         workers.start(args.startup_timeout)
@@ -144,4 +158,5 @@ def _run_cluster(args: argparse.Namespace) -> int:
         run_app(build_router_app(config), args.host, args.port, args.graceful_timeout, args.verbose)
     finally:
         workers.stop(args.graceful_timeout + 5.0)
+        secret_files.close()
     return 0

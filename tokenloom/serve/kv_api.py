@@ -61,11 +61,10 @@ async def prefill(body: PrefillRequest, request: Request) -> Any:
         raise InvalidRequest("this worker runs --role decode; send prefills to a prefill (or both) worker")
     try:
         if body.endpoint == "/v1/chat/completions":
-            chat = ChatCompletionRequest.model_validate(body.request)
-            model, prompts = chat.model, [fe.chat_ids(chat.messages, chat.add_generation_prompt)]
+            chat: ChatCompletionRequest | None = ChatCompletionRequest.model_validate(body.request)
         else:
             comp = CompletionRequest.model_validate(body.request)
-            model, prompts = comp.model, fe.completion_prompts(comp.prompt)[1]
+            chat = None
     except pydantic.ValidationError as e:
         first = e.errors()[0]
         cause = (first.get("ctx") or {}).get("error")
@@ -74,6 +73,15 @@ async def prefill(body: PrefillRequest, request: Request) -> Any:
         loc = ".".join(str(p) for p in first.get("loc", ()))
         param = f"request.{loc}" if loc else "request"
         raise InvalidRequest(f"{param}: {first.get('msg', 'invalid')}", param) from e
+    # Tokenized off the event loop, exactly as the decode worker's endpoint will (tools and template kwargs
+    # included), so the blocks sent are the ones it looks up.
+    if chat is not None:
+        tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
+        model, prompts = chat.model, [await fe.chat_ids_async(chat.messages, chat.add_generation_prompt, tools,
+                                                              chat.chat_template_kwargs,
+                                                              chat.continue_final_message)]
+    else:
+        model, prompts = comp.model, (await fe.completion_prompts_async(comp.prompt))[1]
     fe.check_model(model)
     state = request.app.state
     if state.role != "prefill" and getattr(state, "api_key", None) is None:
