@@ -574,3 +574,29 @@ def test_bad_words(client: openai.OpenAI, tok: Any) -> None:
     banned = client.completions.create(**kw, extra_body={"ignore_eos": True, "bad_words": [word]})
     got = banned.choices[0].logprobs.tokens  # type: ignore[union-attr]
     assert len(got) == 24 and not forms & set(got), (word, got)
+
+
+# -- reasoning: --reasoning-parser splits the thinking off, streamed and not ------------------------------
+
+def test_reasoning_content_is_split_off(model_dir: Path) -> None:
+    """With --reasoning-parser qwen3 the thinking goes to reasoning_content and the rest to content, in a
+    whole response and in a stream (the random model's text is forced by a regex constraint)."""
+    server = LiveServer(model_dir, max_model_len=1024, kv_cache_memory="64MiB", reasoning_parser="qwen3")
+    try:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 60,
+                "temperature": 0, "guided_regex": r"<think>(ab|cd)</think>\n\nDONE-[0-9]"}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        msg = r.json()["choices"][0]["message"]
+        assert msg["reasoning_content"] in ("ab", "cd") and msg["content"].startswith("DONE-")
+        streamed = {"reasoning_content": "", "content": ""}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True},
+                          timeout=60) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for choice in json.loads(line[6:])["choices"]:
+                        for k in streamed:
+                            streamed[k] += choice["delta"].get(k) or ""
+        assert streamed == {"reasoning_content": msg["reasoning_content"], "content": msg["content"]}
+    finally:
+        server.close()

@@ -11,10 +11,10 @@ API's max_tokens policy against the context.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import Any
 from contextlib import aclosing
+from dataclasses import replace
+from typing import Any
 
 from tokenloom.engine.async_engine import AsyncLLMEngine
 from tokenloom.errors import ContextTooLong, InvalidRequest
@@ -22,11 +22,11 @@ from tokenloom.outputs import RequestOutput, merge_delta
 from tokenloom.sampling_params import SamplingParams, StructuredOutput
 from tokenloom.serve.chat_output import ToolMode
 from tokenloom.serve.constraints import request_constraint, tool_choice_constraint
-from tokenloom.serve.reasoning import ReasoningParser, get_reasoning_parser
-from tokenloom.serve.tool_parsers import ToolParser, detect_tool_parser, get_tool_parser
 from tokenloom.serve.errors import ModelNotFound
 from tokenloom.serve.ollama_protocol import Message, Options
 from tokenloom.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from tokenloom.serve.reasoning import ReasoningParser, get_reasoning_parser
+from tokenloom.serve.tool_parsers import ToolParser, detect_tool_parser, get_tool_parser
 from tokenloom.tokenizer import Tokenizer
 
 Indexed = tuple[int, RequestOutput]  # (prompt index, delta output)
