@@ -128,3 +128,32 @@ def test_wait_until_healthy_gives_up_when_the_server_is_gone() -> None:
     with pytest.raises(TimeoutError, match="exited"):
         wait_until_healthy(f"http://127.0.0.1:{free_port()}", timeout=60, alive=lambda: False)
     assert time.monotonic() - t < 5  # at once, not after the timeout
+
+
+def test_agentic_calls_with_tools_and_a_json_schema(live_server: LiveServer, tiny_llama: Path,
+                                                     tmp_path: Path) -> None:
+    """--extra-body puts tools and a response_format into every call of the agentic workload."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    extra = {"tools": [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}],
+             "tool_choice": "none", "ignore_eos": False, "min_tokens": 0,
+             "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+    out = tmp_path / "agentic-structured"
+    assert main(["bench", "serve", "--base-url", live_server.url, "--backend", "openai-chat", "--dataset", "agentic",
+                 "--tokenizer", str(tiny_llama), "--sessions", "2", "--turns", "2", "--system-len", "40",
+                 "--input-len", "8", "--output-len", "40", "--concurrency", "2", "--warmup", "0",
+                 "--extra-body", json.dumps(extra), "--out", str(out)]) == 0
+    records = pd.read_csv(out / "records.csv")
+    assert len(records) == 4 and records["success"].all()
+    # The fields do reach the server: a response_format it must refuse fails every call.
+    bad = {**extra, "response_format": {"type": "json_schema"}}
+    assert main(["bench", "serve", "--base-url", live_server.url, "--backend", "openai-chat", "--dataset", "agentic",
+                 "--tokenizer", str(tiny_llama), "--sessions", "1", "--turns", "1", "--system-len", "40",
+                 "--input-len", "8", "--output-len", "8", "--warmup", "0", "--extra-body", json.dumps(bad),
+                 "--out", str(tmp_path / "bad")]) != 0
+
+
+def test_extra_body_must_be_a_json_object(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--extra-body", "[1, 2]",
+              "--out", str(tmp_path)])

@@ -31,13 +31,15 @@ class BenchRequest:
 
 
 async def send(client: httpx.AsyncClient, backend: str, model: str, req: BenchRequest,
-               ignore_eos: bool = True) -> RequestRecord:
+               ignore_eos: bool = True, extra_body: dict[str, object] | None = None) -> RequestRecord:
+    """One streamed request. `extra_body`: fields merged into the request body last (tools, response_format,
+    ...; they override the benchmark's own, e.g. {"ignore_eos": false, "min_tokens": 0})."""
     rec = RequestRecord(start=time.perf_counter(), input_tokens=req.input_tokens)
     try:
         if backend == "ollama":
-            await _ollama(client, model, req, rec)
+            await _ollama(client, model, req, rec, extra_body or {})
         else:
-            await _openai(client, backend, model, req, rec, ignore_eos)
+            await _openai(client, backend, model, req, rec, ignore_eos, extra_body or {})
         rec.end = time.perf_counter()
         rec.success = rec.first_token is not None
         if not rec.success and not rec.error:
@@ -56,7 +58,7 @@ def _token_arrived(rec: RequestRecord) -> None:
 
 
 async def _openai(client: httpx.AsyncClient, backend: str, model: str, req: BenchRequest, rec: RequestRecord,
-                  ignore_eos: bool) -> None:
+                  ignore_eos: bool, extra_body: dict[str, object]) -> None:
     body: dict[str, object] = {"model": model, "max_tokens": req.output_tokens, "temperature": 0.0, "stream": True,
                                "stream_options": {"include_usage": True}}
     if ignore_eos:
@@ -70,6 +72,7 @@ async def _openai(client: httpx.AsyncClient, backend: str, model: str, req: Benc
     else:
         body["prompt"] = req.prompt
         path = "/v1/completions"
+    body.update(extra_body)
     chunks = 0
     async with client.stream("POST", path, json=body) as r:
         if r.status_code != 200:
@@ -104,9 +107,11 @@ async def _openai(client: httpx.AsyncClient, backend: str, model: str, req: Benc
         rec.output_tokens = chunks
 
 
-async def _ollama(client: httpx.AsyncClient, model: str, req: BenchRequest, rec: RequestRecord) -> None:
-    body = {"model": model, "prompt": req.prompt, "raw": True, "stream": True,
-            "options": {"num_predict": req.output_tokens, "temperature": 0.0}}
+async def _ollama(client: httpx.AsyncClient, model: str, req: BenchRequest, rec: RequestRecord,
+                  extra_body: dict[str, object]) -> None:
+    body: dict[str, object] = {"model": model, "prompt": req.prompt, "raw": True, "stream": True,
+                               "options": {"num_predict": req.output_tokens, "temperature": 0.0}}
+    body.update(extra_body)
     chunks = 0
     async with client.stream("POST", "/api/generate", json=body) as r:
         if r.status_code != 200:

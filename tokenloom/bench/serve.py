@@ -40,6 +40,16 @@ def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x.strip()]
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     p.add_argument("--backend", choices=BACKENDS, default="openai")
@@ -74,6 +84,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--knee-efficiency", type=float, default=0.5,
                    help="min (throughput gain / latency growth) for more load to count as worth it")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    p.add_argument("--extra-body", type=_json_object, default=None, metavar="JSON",
+                   help="a JSON object merged into every request body, e.g. tools and a response_format; it "
+                        "overrides the benchmark's own fields (with a constraint give ignore_eos false, min_tokens 0)")
     p.add_argument("--out", type=Path, default=Path("results/bench"), help="results folder")
 
 
@@ -87,6 +100,7 @@ def load_tokenizer(path: str | None) -> Tokenizer:
 async def run_point(
     client: httpx.AsyncClient, backend: str, model: str, reqs: list[BenchRequest], concurrency: int | None,
     rate: float | None, rng: random.Random, max_duration: float | None, desc: str,
+    extra_body: dict[str, Any] | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Send `reqs` under a concurrency cap or Poisson arrivals; returns records and wall duration."""
     limit = asyncio.Semaphore(concurrency or len(reqs))
@@ -95,7 +109,7 @@ async def run_point(
 
     async def one(req: BenchRequest) -> RequestRecord:
         async with limit:
-            rec = await send(client, backend, model, req)
+            rec = await send(client, backend, model, req, extra_body=extra_body)
         bar.update(1)
         return rec
 
@@ -129,7 +143,7 @@ async def run_agentic_point(
                 user, n = exact_prompt(tok, args.input_len, rng)
                 messages.append({"role": "user", "content": user})
                 rec = await send(client, "openai-chat", model,
-                                 BenchRequest(user, n, args.output_len, tuple(messages)))
+                                 BenchRequest(user, n, args.output_len, tuple(messages)), extra_body=args.extra_body)
                 rec.session, rec.turn = index, turn
                 records.append(rec)
                 bar.update(1)
@@ -173,14 +187,15 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
                 warm_len = args.input_len if args.dataset == "agentic" else input_len
                 warm = workload(tok, args.warmup, warm_len, min(args.output_len, 8), 0.0, rng)
                 if warm:
-                    await run_point(client, args.backend, model, warm, conc, None, rng, None, "warm-up")
+                    await run_point(client, args.backend, model, warm, conc, None, rng, None, "warm-up",
+                                    args.extra_body)
                 label = f"in={input_len} " + (f"rate={rate}/s" if rate else f"c={conc}")
                 if args.dataset == "agentic":
                     records, duration = await run_agentic_point(client, model, tok, args, conc or 1, rng, label)
                 else:
                     reqs = workload(tok, args.num_prompts, input_len, args.output_len, ratio, rng, corpus)
                     records, duration = await run_point(client, args.backend, model, reqs, conc, rate, rng,
-                                                        args.max_duration, label)
+                                                        args.max_duration, label, args.extra_body)
                 summary = summarize(records, duration, args.slo_ttft, args.slo_tpot)
                 if args.dataset == "agentic":  # first calls (cold) against the calls that resend a conversation
                     ok = [r for r in records if r.success and r.ttft is not None]
