@@ -122,7 +122,7 @@ async def _respond(request: Request, body: OllamaRequest, ids: list[int], start:
                 out = delta.outputs[0] if delta.outputs else None
                 fields = choice.feed(out.text if out else "")
                 # One line per token, as Ollama streams, even when the token completes no character yet.
-                if fields or (out and out.token_ids and not delta.finished):
+                if fields or (out and out.token_ids):
                     yield json.dumps(piece(fields, False)) + "\n"
                 if delta.finished:
                     last, _ = choice.finish(out.finish_reason if out else None)
