@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-from pathlib import Path
 
 import pytest
 import torch

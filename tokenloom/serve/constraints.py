@@ -66,7 +66,7 @@ def request_constraint(body: CompletionRequest | ChatCompletionRequest) -> Struc
 
 
 def ollama_constraint(fmt: str | dict[str, Any] | None) -> StructuredOutput | None:
-    """Ollama's `format`: "json" (any JSON value, as Ollama: here a JSON object or array) or a schema."""
+    """Ollama's `format`: "json" (a JSON object: what clients asking for JSON parse) or a JSON schema."""
     if fmt is None or fmt == "":
         return None
     if fmt == "json":
