@@ -58,7 +58,7 @@ def build_tokenizer(folder: Path) -> int:
 
 
 def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides: object) -> Path:
-    """Random-weight Llama/Qwen2/Mistral saved with transformers' own save_pretrained (float32)."""
+    """Random-weight Llama/Qwen2/Qwen3/Mistral saved with transformers' own save_pretrained (float32)."""
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -77,11 +77,13 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
         tie_word_embeddings=False,
     )
     common.update(overrides)
-    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}[arch]
+    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig,
+               "qwen3": transformers.Qwen3Config}[arch]
     model_cls = {
         "llama": transformers.LlamaForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
         "mistral": transformers.MistralForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
     }[arch]
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**common)).to(torch.float32)

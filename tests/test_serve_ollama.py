@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import ollama
 import pytest
@@ -55,3 +57,13 @@ def test_errors_are_ollama_shaped(client: ollama.Client, live_server: LiveServer
     assert r.status_code == 400 and isinstance(r.json()["error"], str)
     r = httpx.post(live_server.url + "/api/chat", json={"model": "tiny", "messages": "nope"})
     assert r.status_code == 400 and "messages" in r.json()["error"]
+
+
+def test_a_body_sent_as_a_form_is_read_as_json(live_server: LiveServer) -> None:
+    """Ollama's own examples (`curl .../api/chat -d '{...}'`) send the JSON as a form; Ollama reads it as JSON,
+    and so does tokenloom on /api/*."""
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "stream": False,
+                       "options": {"num_predict": 3}})
+    r = httpx.post(live_server.url + "/api/chat", content=body,
+                   headers={"content-type": "application/x-www-form-urlencoded"}, timeout=60)
+    assert r.status_code == 200 and r.json()["done"] is True, r.text

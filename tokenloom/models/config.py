@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",  # Llama layout + per-head RMSNorm on q and k (qk_norm)
 }
 
 
@@ -50,6 +51,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: q/k/v have bias, o does not
     mlp_bias: bool = False
+    o_proj_bias: bool = False  # Qwen3: o_proj has a bias when attention_bias is set (Qwen2's does not)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k after projection, before RoPE
     sliding_window: int | None = None  # Mistral; None = full attention
     hidden_act: str = "silu"
     bos_token_id: int | None = None
@@ -79,7 +82,8 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         sliding = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        qwen3 = arch == "Qwen3ForCausalLM"
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
             sliding = None
         return cls(
             architecture=arch,
@@ -97,6 +101,8 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            o_proj_bias=qwen3 and bool(cfg.get("attention_bias", False)),
+            qk_norm=qwen3,
             sliding_window=int(sliding) if sliding else None,
             hidden_act=str(cfg.get("hidden_act", "silu")),
             bos_token_id=cfg.get("bos_token_id"),

@@ -31,6 +31,7 @@ from tokenloom.tokenizer import Tokenizer
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 # Architectures whose converter permuted attn_q/attn_k rows for GGML's interleaved RoPE.
 ROPE_PERMUTED = {"llama"}
@@ -99,6 +100,8 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         rope_scaling=_rope_scaling(f, arch, theta, head_dim),
         tie_word_embeddings="output.weight" not in f.tensors,
         attention_bias="blk.0.attn_q.bias" in f.tensors,
+        o_proj_bias="blk.0.attn_output.bias" in f.tensors,
+        qk_norm=arch == "qwen3",
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
     )
@@ -175,6 +178,9 @@ _LAYER_TENSORS = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -185,7 +191,7 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
-    """llama.cpp tensor name -> HF name (None for names the llama/qwen2 families do not have)."""
+    """llama.cpp tensor name -> HF name (None for names the llama/qwen2/qwen3 families do not have)."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
@@ -255,9 +261,16 @@ def _check_complete(sd: dict[str, torch.Tensor], config: ModelConfig, path: Path
     needed = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         needed.append("lm_head.weight")
-    per_layer = [v for k, v in _LAYER_TENSORS.items() if not k.endswith(".bias")]
+    optional = {"attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias", "attn_q_norm.weight",
+                "attn_k_norm.weight"}
+    wanted = [k for k in _LAYER_TENSORS if k not in optional]
     if config.attention_bias:
-        per_layer += [v for k, v in _LAYER_TENSORS.items() if k.endswith(".bias")]
+        wanted += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+    if config.o_proj_bias:
+        wanted.append("attn_output.bias")
+    if config.qk_norm:
+        wanted += ["attn_q_norm.weight", "attn_k_norm.weight"]
+    per_layer = [_LAYER_TENSORS[k] for k in wanted]
     needed += [f"model.layers.{i}.{n}" for i in range(config.num_hidden_layers) for n in per_layer]
     missing = [n for n in needed if n not in sd and n not in elsewhere]
     if missing:

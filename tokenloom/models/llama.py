@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2): GQA, RoPE, RMSNorm, SwiGLU, optional qkv bias.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2): GQA, RoPE, RMSNorm, SwiGLU, optional qkv bias,
+optional per-head q/k RMSNorm (Qwen3).
 
 Operates on a flat batch of tokens from many sequences, (T, hidden); attention reads and writes the
 paged KV cache through `AttentionMetadata`. q/k/v and gate/up are fused into single matmuls at load time.
@@ -28,7 +29,10 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        # Qwen3: RMSNorm over each head's head_dim on q and k, after projection, before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
         self.backend = backend
@@ -40,6 +44,9 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(t, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, k, rope, self.kernels)
         out = self.backend.forward(q, k, v, kv, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, self.q_size))

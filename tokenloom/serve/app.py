@@ -84,6 +84,21 @@ class BodyLimit:
             await _too_large(scope, self.limit)(scope, receive, send)
 
 
+class OllamaBodiesAreJSON:
+    """Ollama reads every /api/* body as JSON whatever its Content-Type, and its documented examples are
+    `curl http://host/api/chat -d '{...}'` (sent as a form). Those bodies are declared JSON here, so they are
+    parsed as Ollama parses them instead of failing validation."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and str(scope.get("path", "")).startswith("/api/"):
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
 def _too_large(scope: Scope, limit: int) -> JSONResponse:
     exc = BodyTooLarge(limit)
     if str(scope.get("path", "")).startswith("/api/"):
@@ -123,6 +138,7 @@ def build_app(
     install_openapi(app, OPEN_PATHS)  # documents the 400s (not 422s) and error bodies the routes answer
     # Added before auth_and_log, so it runs inside it: a 413 is logged, and an unauthorized client gets 401.
     app.add_middleware(BodyLimit, limit=max_request_bytes)
+    app.add_middleware(OllamaBodiesAreJSON)
 
     def fail(request: Request, exc: Exception) -> JSONResponse:
         resp = error_response(exc)
