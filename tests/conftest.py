@@ -58,7 +58,7 @@ def build_tokenizer(folder: Path) -> int:
 
 
 def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides: object) -> Path:
-    """Random-weight Llama/Qwen2/Qwen3/Mistral saved with transformers' own save_pretrained (float32)."""
+    """Random-weight Llama/Qwen2/Qwen3/Mistral/Phi3 saved with transformers' own save_pretrained (float32)."""
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -78,12 +78,13 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
     )
     common.update(overrides)
     cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig,
-               "qwen3": transformers.Qwen3Config}[arch]
+               "qwen3": transformers.Qwen3Config, "phi3": transformers.Phi3Config}[arch]
     model_cls = {
         "llama": transformers.LlamaForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
         "mistral": transformers.MistralForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
+        "phi3": transformers.Phi3ForCausalLM,
     }[arch]
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**common)).to(torch.float32)

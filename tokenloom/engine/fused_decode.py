@@ -5,8 +5,9 @@ per layer, each reached through nn.Module and pybind. The C++ decode stack holds
 and KV cache tensors (shared, not copied) and calls the same kernels in the same order, so its hidden
 states equal the Python model's bit for bit (tests/test_decode_stack.py). It serves only steps whose
 every row is a decode row (plan.all_decode), on CPU, for bfloat16 Llama-family models whose linears
-are bfloat16 `Linear` or the C++ `QuantLinear` and that have no q/k norm (Qwen3); everything else stays on
-the Python model.
+are bfloat16 `Linear` or the C++ `QuantLinear` and that have no q/k norm (Qwen3) and no partial rotary
+(Phi-4-mini); everything else stays on the Python model. LongRoPE needs nothing of it: cos/sin come from the
+model's table.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class FusedDecoder:
             return "the CPU lacks AVX512-BF16"
         if model.config.qk_norm:
             return f"{model.config.architecture} normalizes q and k per head, which the C++ stack does not"
+        if model.config.rotary_dim != model.config.head_dim:
+            return (f"{model.config.architecture} rotates {model.config.rotary_dim} of {model.config.head_dim} "
+                    "head dims (partial rotary), which the C++ stack does not")
         if model.norm.weight.dtype != torch.bfloat16:
             return f"model dtype {model.norm.weight.dtype} (bfloat16 only)"
         for name, m in model.named_modules():

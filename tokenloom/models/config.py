@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",  # Llama layout + per-head RMSNorm on q and k (qk_norm)
+    "Phi3ForCausalLM": "llama",  # Llama layout with fused qkv/gate_up tensors, longrope, partial rotary (Phi-4-mini)
 }
 
 
@@ -22,7 +24,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 class RopeScaling:
     """RoPE scaling as in HF ``rope_scaling`` / ``rope_parameters`` (kind "default" means none)."""
 
-    kind: str = "default"  # default | linear | dynamic | llama3 | yarn
+    kind: str = "default"  # default | linear | dynamic | llama3 | yarn | longrope
     factor: float = 1.0
     original_max_position_embeddings: int | None = None
     low_freq_factor: float = 1.0  # llama3
@@ -31,7 +33,10 @@ class RopeScaling:
     beta_slow: float = 1.0  # yarn
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
-    attention_factor: float | None = None  # yarn
+    attention_factor: float | None = None  # yarn, longrope (the cos/sin multiplier)
+    # longrope (Phi-3 "su"): per-frequency divisors, short below original_max_position_embeddings, long from it on
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class ModelConfig:
     mlp_bias: bool = False
     o_proj_bias: bool = False  # Qwen3: o_proj has a bias when attention_bias is set (Qwen2's does not)
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k after projection, before RoPE
+    partial_rotary_factor: float = 1.0  # Phi-4-mini 0.75: RoPE turns only the first rotary_dim of each head
     sliding_window: int | None = None  # Mistral; None = full attention
     hidden_act: str = "silu"
     bos_token_id: int | None = None
@@ -61,6 +67,11 @@ class ModelConfig:
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head RoPE rotates (head_dim unless partial_rotary_factor < 1)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -83,6 +94,11 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         sliding = cfg.get("sliding_window")
         qwen3 = arch == "Qwen3ForCausalLM"
+        head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+        partial = float(cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0)) or 1.0)
+        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        if arch == "Phi3ForCausalLM" and str(rope_scaling_d.get("rope_type") or rope_scaling_d.get("type")) == "yarn":
+            rope_scaling_d["rope_type"] = "longrope"  # Phi3Config reads "su" and "yarn" as longrope
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
             sliding = None
         return cls(
@@ -93,16 +109,18 @@ class ModelConfig:
             num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=n_heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // n_heads),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            head_dim=head_dim,
+            max_position_embeddings=max_pos,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
-            rope_scaling=parse_rope_scaling(rope_scaling_d),
+            rope_scaling=parse_rope_scaling(rope_scaling_d, max_pos, cfg.get("original_max_position_embeddings"),
+                                            int(head_dim * partial)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             o_proj_bias=qwen3 and bool(cfg.get("attention_bias", False)),
             qk_norm=qwen3,
+            partial_rotary_factor=partial,
             sliding_window=int(sliding) if sliding else None,
             hidden_act=str(cfg.get("hidden_act", "silu")),
             bos_token_id=cfg.get("bos_token_id"),
@@ -137,11 +155,17 @@ def read_config_json(folder: Path) -> dict[str, Any]:
     return cfg
 
 
-def parse_rope_scaling(d: dict[str, Any]) -> RopeScaling:
+def parse_rope_scaling(d: dict[str, Any], max_position_embeddings: int | None = None,
+                       original_max: Any = None, rotary_dim: int | None = None) -> RopeScaling:
+    """`original_max`: the top-level original_max_position_embeddings (Phi-3 keeps it outside rope_scaling)."""
     kind = str(d.get("rope_type") or d.get("type") or "default")
-    if kind not in ("default", "linear", "dynamic", "llama3", "yarn"):
+    if kind == "su":
+        kind = "longrope"
+    if kind not in ("default", "linear", "dynamic", "llama3", "yarn", "longrope"):
         raise UnsupportedArchitecture(f"unsupported rope scaling type {kind!r}")
-    orig = d.get("original_max_position_embeddings")
+    orig = d.get("original_max_position_embeddings") or original_max
+    if kind == "longrope":
+        return _longrope(d, max_position_embeddings, orig, rotary_dim)
     return RopeScaling(
         kind=kind,
         factor=float(d.get("factor", 1.0)),
@@ -154,3 +178,24 @@ def parse_rope_scaling(d: dict[str, Any]) -> RopeScaling:
         mscale_all_dim=d.get("mscale_all_dim"),
         attention_factor=d.get("attention_factor"),
     )
+
+
+def _longrope(d: dict[str, Any], max_position_embeddings: int | None, orig: Any, rotary_dim: int | None) -> RopeScaling:
+    """LongRoPE as transformers' `_compute_longrope_parameters`: the attention factor from `factor` (else the
+    ratio max_position_embeddings / original_max_position_embeddings), sqrt(1 + ln f / ln original) when f > 1."""
+    short, long = d.get("short_factor"), d.get("long_factor")
+    if not orig or not isinstance(short, list) or not isinstance(long, list):
+        raise UnsupportedArchitecture("longrope scaling needs short_factor, long_factor and original_max_position_embeddings")
+    orig = int(orig)
+    if rotary_dim is not None and not len(short) == len(long) == rotary_dim // 2:
+        raise UnsupportedArchitecture(f"longrope factors must have rotary_dim/2 = {rotary_dim // 2} entries, "
+                                      f"got {len(short)} and {len(long)}")
+    factor = d.get("factor")
+    if factor is None:
+        factor = (max_position_embeddings or orig) / orig
+    attention = d.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return RopeScaling(kind="longrope", factor=float(factor), original_max_position_embeddings=orig,
+                       attention_factor=float(attention), short_factor=tuple(float(x) for x in short),
+                       long_factor=tuple(float(x) for x in long))

@@ -113,7 +113,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, max_positio
         return torch.where(medium, smoothed, scaled), 1.0
     if kind == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling, max_position)
+    if kind == "longrope":  # the short factors; RotaryEmbedding switches to the long ones past the original length
+        return _longrope_inv_freq(head_dim, theta, scaling.short_factor), float(scaling.attention_factor or 1.0)
     raise ValueError(f"unknown rope scaling kind {kind!r}")
+
+
+def _longrope_inv_freq(head_dim: int, theta: float, factors: tuple[float, ...]) -> torch.Tensor:
+    """1 / (factor * theta^(2i/d)), as transformers' `_compute_longrope_parameters` (float32)."""
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**shape)
 
 
 def _yarn_inv_freq(head_dim: int, theta: float, s: RopeScaling, max_position: int) -> tuple[torch.Tensor, float]:
@@ -145,7 +153,15 @@ def _yarn_inv_freq(head_dim: int, theta: float, s: RopeScaling, max_position: in
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) RoPE with a precomputed cos/sin table indexed by position."""
+    """Neox-style (rotate-half) RoPE with a precomputed cos/sin table indexed by position.
+
+    `head_dim` here is the rotary dim (the table's width): partial rotary tables are narrower than the heads.
+    LongRoPE: positions below original_max_position_embeddings use the short factors, positions from it on the
+    long ones. That is what transformers' generate does for a prompt of at most original_max_position_embeddings
+    tokens (it picks the set per forward by max(position) + 1, so decode steps past the original length use the
+    long set while the cached keys keep the short one). A prompt longer than that differs: transformers re-ropes
+    the whole prompt with the long factors, while here its first original_max positions keep the short ones.
+    """
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling, max_position: int) -> None:
         super().__init__()
@@ -160,6 +176,10 @@ class RotaryEmbedding(nn.Module):
             inv_freq, attn_factor = rope_inv_freq(self.head_dim, self.theta, self.scaling, self.max_position)
             t = torch.arange(self.max_position, dtype=torch.float32)
             freqs = torch.outer(t, inv_freq)  # (max_position, head_dim/2)
+            if self.scaling.kind == "longrope":
+                orig = int(self.scaling.original_max_position_embeddings or self.max_position)
+                long_inv = _longrope_inv_freq(self.head_dim, self.theta, self.scaling.long_factor)
+                freqs[orig:] = torch.outer(t[orig:], long_inv)
             emb = torch.cat((freqs, freqs), dim=-1)  # (max_position, head_dim)
         self.cos = (emb.cos() * attn_factor).to(device)
         self.sin = (emb.sin() * attn_factor).to(device)
@@ -172,8 +192,13 @@ class RotaryEmbedding(nn.Module):
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kernels: ModuleType | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # q: (T, Hq, D), k: (T, Hkv, D), cos/sin: (T, 1, D)
+    # q: (T, Hq, D), k: (T, Hkv, D), cos/sin: (T, 1, R) with R = D, or R < D for partial rotary
     cos, sin = cos_sin
+    rot = cos.shape[-1]
+    if rot < q.shape[-1]:  # partial rotary (Phi-4-mini): rotate the first R dims, pass the rest through
+        q_rot, k_rot = q[..., :rot], k[..., :rot]
+        return (torch.cat((q_rot * cos + _rotate_half(q_rot) * sin, q[..., rot:]), dim=-1),
+                torch.cat((k_rot * cos + _rotate_half(k_rot) * sin, k[..., rot:]), dim=-1))
     if kernels is not None and q.is_cpu:
         # In place on the fused qkv projection's q and k views: no new tensors.
         kernels.rotary_inplace(q, k, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))

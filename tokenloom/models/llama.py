@@ -1,5 +1,6 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2): GQA, RoPE, RMSNorm, SwiGLU, optional qkv bias,
-optional per-head q/k RMSNorm (Qwen3).
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/Phi-4-mini, SmolLM2): GQA, RoPE, RMSNorm, SwiGLU,
+optional qkv bias, optional per-head q/k RMSNorm (Qwen3), partial rotary and LongRoPE (Phi-3/Phi-4-mini, whose
+checkpoints hold qkv_proj and gate_up_proj already fused).
 
 Operates on a flat batch of tokens from many sequences, (T, hidden); attention reads and writes the
 paged KV cache through `AttentionMetadata`. q/k/v and gate/up are fused into single matmuls at load time.
@@ -79,7 +80,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int) -> None:
         super().__init__()
         self.config = cfg
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, max_position)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -131,6 +132,8 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             target, offset = name, None
+            fused = next((t for p, t in (("qkv_proj", qkv_offsets), ("gate_up_proj", gate_up_offsets))
+                          if f".{p}." in name), None)  # Phi-3: the checkpoint holds the fused tensor itself
             for packed, table in (("qkv_proj", qkv_offsets), ("gate_up_proj", gate_up_offsets)):
                 for part, off in table.items():
                     if f".{part}." in name:
@@ -142,7 +145,10 @@ class LlamaForCausalLM(nn.Module):
             if dest.shape != tensor.shape:
                 raise ModelLoadError(f"tensor {name!r}: shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)
-            loaded.add(name if offset is None else f"{target}:{offset[0]}")
+            if fused is not None:
+                loaded.update(f"{target}:{off[0]}" for off in fused.values())
+            else:
+                loaded.add(name if offset is None else f"{target}:{offset[0]}")
         expected = _expected_keys(self, qkv_offsets, gate_up_offsets)
         missing = sorted(expected - loaded)
         if missing:
