@@ -1,7 +1,7 @@
 """Grammar compilation: a StructuredOutput becomes an xgrammar CompiledGrammar, once per distinct spec.
 
-One GrammarBackend per engine. Compiling a JSON schema can take tens of milliseconds, so the engine calls
-`compile_async` (a small thread pool) and polls the future; `compile` is the same, in the caller's thread.
+One GrammarBackend per engine. Compiling a JSON schema can take tens of milliseconds, so the async engine
+awaits `compile_async` (a small thread pool) before queueing a request; `compile` is the same, in the caller's thread.
 Both share one LRU keyed by `StructuredOutput.key` that also holds in-flight futures, so concurrent requests
 with one schema compile it once. Whatever goes wrong while compiling is an InvalidRequest naming the field.
 """
