@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from test_sampler import seq
 from tokenloom.engine.logits_processors import RowContext, process, process_run
 from tokenloom.engine.sampler import Sampler, SamplingArgs
 from tokenloom.engine.sequence import Sequence
@@ -15,17 +16,6 @@ from tokenloom.errors import InvalidRequest
 from tokenloom.sampling_params import SamplingParams
 
 VOCAB = 8
-
-
-def seq(params: SamplingParams, prompt: list[int] | None = None, output: list[int] | None = None,
-        stop_ids: frozenset[int] = frozenset(), seed: int | None = None) -> Sequence:
-    gen = None
-    if seed is not None:
-        gen = torch.Generator()
-        gen.manual_seed(seed)
-    s = Sequence("s", "s", 0, prompt or [0], params, 100, stop_ids, 0, generator=gen)
-    s.token_ids.extend(output or [])
-    return s
 
 
 def row(values: list[float]) -> torch.Tensor:

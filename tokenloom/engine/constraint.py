@@ -21,6 +21,7 @@ import torch
 
 from tokenloom.sampling_params import StructuredOutput
 from tokenloom.structured import CompiledGrammar, GrammarState
+from tokenloom.structured.bitmask import int32_bit
 
 Phase = Literal["maybe_thinking", "thinking", "active", "done"]
 
@@ -52,7 +53,7 @@ class SequenceConstraint:
         self.state.fill_bitmask(bitmask, row)
         if self.phase == "maybe_thinking":  # the model may open its thinking instead
             tok = self.spec.think_start[0]
-            bitmask[row, tok // 32] |= _bit(tok % 32)
+            bitmask[row, tok // 32] |= int32_bit(tok % 32)
 
     def append(self, token: int) -> bool:
         """Advance on a sampled token; True once the grammar is complete (the sequence should stop)."""
@@ -75,8 +76,3 @@ class SequenceConstraint:
             self.phase = "done"
             return True
         return False
-
-
-def _bit(i: int) -> int:
-    """Bit i of an int32 word, as a Python int that fits int32 (bit 31 is the sign bit)."""
-    return (1 << i) if i < 31 else -(1 << 31)

@@ -40,29 +40,31 @@ def request_constraint(body: CompletionRequest | ChatCompletionRequest) -> Struc
         found.append(StructuredOutput("json_schema", json.dumps(schema), field="response_format.json_schema"))
     so = body.structured_outputs
     if so is not None:
-        if so.json_ is not None:
-            found.append(StructuredOutput("json_schema", _schema_text(so.json_, "structured_outputs.json"),
-                                          field="structured_outputs.json"))
-        elif so.regex is not None:
-            found.append(StructuredOutput("regex", so.regex, field="structured_outputs.regex"))
-        elif so.choice is not None:
-            found.append(StructuredOutput("choice", choices=tuple(so.choice), field="structured_outputs.choice"))
-        elif so.grammar is not None:
-            found.append(StructuredOutput("grammar", so.grammar, field="structured_outputs.grammar"))
-        else:
+        found += _guided("structured_outputs.", so.json_, so.regex, so.choice, so.grammar)
+        if so.json_object:
             found.append(StructuredOutput("json_object", field="structured_outputs.json_object"))
-    if body.guided_json is not None:
-        found.append(StructuredOutput("json_schema", _schema_text(body.guided_json, "guided_json"), field="guided_json"))
-    if body.guided_regex is not None:
-        found.append(StructuredOutput("regex", body.guided_regex, field="guided_regex"))
-    if body.guided_choice is not None:
-        found.append(StructuredOutput("choice", choices=tuple(body.guided_choice), field="guided_choice"))
-    if body.guided_grammar is not None:
-        found.append(StructuredOutput("grammar", body.guided_grammar, field="guided_grammar"))
+    found += _guided("guided_", body.guided_json, body.guided_regex, body.guided_choice, body.guided_grammar)
     if len(found) > 1:
         raise InvalidRequest(f"{found[1].field}: only one output constraint per request (already "
                              f"{found[0].field})", found[1].field)
     return found[0] if found else None
+
+
+def _guided(prefix: str, schema: dict[str, Any] | str | None, regex: str | None, choice: list[str] | None,
+            grammar: str | None) -> list[StructuredOutput]:
+    """vLLM's json / regex / choice / grammar constraints, named `{prefix}json` and so on: the fields of
+    `structured_outputs` ("structured_outputs.") and the older `guided_*` ones ("guided_")."""
+    found = []
+    if schema is not None:
+        field = prefix + "json"
+        found.append(StructuredOutput("json_schema", _schema_text(schema, field), field=field))
+    if regex is not None:
+        found.append(StructuredOutput("regex", regex, field=prefix + "regex"))
+    if choice is not None:
+        found.append(StructuredOutput("choice", choices=tuple(choice), field=prefix + "choice"))
+    if grammar is not None:
+        found.append(StructuredOutput("grammar", grammar, field=prefix + "grammar"))
+    return found
 
 
 def ollama_constraint(fmt: str | dict[str, Any] | None) -> StructuredOutput | None:

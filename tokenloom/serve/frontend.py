@@ -16,6 +16,8 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
 
+from pydantic import BaseModel
+
 from tokenloom.engine.async_engine import AsyncLLMEngine
 from tokenloom.errors import ContextTooLong, InvalidRequest
 from tokenloom.outputs import RequestOutput, merge_delta
@@ -82,10 +84,10 @@ class Frontend:
         return self.tokenizer.encode(text, add_special_tokens)
 
     def chat_prompt(self, messages: Sequence[ChatMessage | Message], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
+                    tools: Sequence[BaseModel] | None = None, template_kwargs: dict[str, Any] | None = None,
                     continue_final: bool = False) -> str:
         """Chat messages through the model's chat template, as text. The template gets the whole history
-        (assistant tool calls, tool results with their call ids), the `tools` (OpenAI's function objects)
+        (assistant tool calls, tool results with their call ids), the `tools` (the request's function objects)
         and `template_kwargs` (vLLM's chat_template_kwargs, e.g. enable_thinking). `continue_final`: the
         last (assistant) message is left open for the model to continue."""
         kwargs = dict(template_kwargs or {})
@@ -93,7 +95,7 @@ class Frontend:
             if reserved in kwargs:
                 raise InvalidRequest(f"chat_template_kwargs.{reserved}: set by the server", "chat_template_kwargs")
         if tools:
-            kwargs["tools"] = tools
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
         msgs = [m.template_dict() for m in messages]
         text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt, **kwargs)
         if continue_final:
@@ -106,7 +108,7 @@ class Frontend:
         return text
 
     def chat_ids(self, messages: Sequence[ChatMessage | Message], add_generation_prompt: bool = True,
-                 tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
+                 tools: Sequence[BaseModel] | None = None, template_kwargs: dict[str, Any] | None = None,
                  continue_final: bool = False) -> list[int]:
         """`chat_prompt` as token ids (the template writes BOS itself where the model wants one)."""
         text = self.chat_prompt(messages, add_generation_prompt, tools, template_kwargs, continue_final)
@@ -140,7 +142,7 @@ class Frontend:
         return await asyncio.to_thread(self.completion_prompts, prompt)
 
     async def chat_ids_async(self, messages: Sequence[ChatMessage | Message], add_generation_prompt: bool = True,
-                             tools: list[dict[str, Any]] | None = None,
+                             tools: Sequence[BaseModel] | None = None,
                              template_kwargs: dict[str, Any] | None = None, continue_final: bool = False
                              ) -> list[int]:
         return await asyncio.to_thread(self.chat_ids, messages, add_generation_prompt, tools, template_kwargs,

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import pydantic
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, StrictFloat
+from pydantic import Field, StrictFloat
 
 from tokenloom.disagg.blocks import KVLayout, KVTransferError, export_prefix
 from tokenloom.disagg.transfer import send_blocks
@@ -30,7 +30,7 @@ from tokenloom.errors import InvalidRequest
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.serve.errors import error_body
 from tokenloom.serve.frontend import Frontend
-from tokenloom.serve.protocol import ChatCompletionRequest, CompletionRequest
+from tokenloom.serve.protocol import Body, ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
 
@@ -41,9 +41,7 @@ _PORT = r"(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4
 KV_TARGET = rf"^tcp://(?:[A-Za-z0-9][A-Za-z0-9.-]{{0,252}}|\[[0-9A-Fa-f:.]{{2,45}}\]):{_PORT}$"
 
 
-class PrefillRequest(BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
-
+class PrefillRequest(Body):  # unknown fields are 400s, as on every route
     endpoint: Literal["/v1/completions", "/v1/chat/completions"]
     request: dict[str, Any]  # the client's body, as it will be sent to the decode worker
     # The decode worker's KV receiver, tcp://host:port (its /health says); declared as a pattern so the
@@ -76,8 +74,7 @@ async def prefill(body: PrefillRequest, request: Request) -> Any:
     # Tokenized off the event loop, exactly as the decode worker's endpoint will (tools and template kwargs
     # included), so the blocks sent are the ones it looks up.
     if chat is not None:
-        tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
-        model, prompts = chat.model, [await fe.chat_ids_async(chat.messages, chat.add_generation_prompt, tools,
+        model, prompts = chat.model, [await fe.chat_ids_async(chat.messages, chat.add_generation_prompt, chat.tools,
                                                               chat.chat_template_kwargs,
                                                               chat.continue_final_message)]
     else:

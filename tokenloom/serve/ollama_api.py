@@ -18,8 +18,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenloom import __version__
-from tokenloom.outputs import RequestOutput, merge_delta
 from tokenloom.errors import InvalidRequest
+from tokenloom.outputs import RequestOutput, merge_delta
 from tokenloom.serve.chat_output import ChoiceOutput, ToolMode
 from tokenloom.serve.constraints import ollama_constraint
 from tokenloom.serve.frontend import Frontend, chain, first
@@ -158,15 +158,13 @@ async def chat(body: ChatRequest, request: Request) -> Any:
         return JSONResponse({"model": body.model, "created_at": _now(), "message": {"role": "assistant", "content": ""},
                              "done": True, "done_reason": "load"})
     mode = ToolMode("none")
-    tools = None
     if body.tools:
         if fe.tool_parser is None:
             raise InvalidRequest("tools: this model's tool-call format is unknown; start the server with "
                                  "--tool-call-parser (hermes, llama3_json, mistral)", "tools")
         mode = ToolMode("auto", parser=fe.tool_parser)
-        tools = [t.model_dump(exclude_none=True) for t in body.tools]
     kwargs = None if body.think is None else {"enable_thinking": body.think}
-    ids = await fe.chat_ids_async(body.messages, True, tools, kwargs)
+    ids = await fe.chat_ids_async(body.messages, True, body.tools, kwargs)
     return await _respond(request, body, ids, start, "chat", mode)
 
 

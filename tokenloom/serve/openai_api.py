@@ -50,8 +50,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     if body.prompt is not None:
         ids = await fe.encode_async(body.prompt, body.add_special_tokens)
     else:
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        ids = await fe.chat_ids_async(body.messages or [], body.add_generation_prompt, tools,
+        ids = await fe.chat_ids_async(body.messages or [], body.add_generation_prompt, body.tools,
                                       body.chat_template_kwargs)
     return {"count": len(ids), "max_model_len": fe.max_model_len, "tokens": ids}
 
@@ -186,8 +185,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     fe.check_model(body.model)
     served, tok = fe.model_name, fe.tokenizer
     mode = tool_mode(body, fe.tool_parser)
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    ids = await fe.chat_ids_async(body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs,
+    ids = await fe.chat_ids_async(body.messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs,
                                   body.continue_final_message)
     reasoning = fe.reasoning_for(ids)
     params = fe.chat_params(body, len(ids), fe.chat_constraint(body, mode, reasoning))

@@ -15,6 +15,12 @@ import xgrammar as xgr
 _CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what xgrammar's CPU kernel takes
 
 
+def int32_bit(position: int) -> int:
+    """1 << position as an int32 value (bit 31 is the sign bit), to set or clear one token's bit in a word."""
+    value = 1 << position
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
 def allocate(rows: int, vocab_size: int) -> torch.Tensor:
     """A bitmask that allows everything: (rows, ceil(vocab_size/32)) int32 on CPU (where matchers fill it)."""
     if rows < 0 or vocab_size < 1:

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import torch
 import xgrammar as xgr
 
+from tokenloom.structured.bitmask import int32_bit
+
 
 class GrammarState:
     def __init__(self, matcher: xgr.GrammarMatcher, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
@@ -106,16 +108,10 @@ def _stops_only(bitmask: torch.Tensor, row: int, stops: Sequence[int]) -> None:
     bitmask[row].zero_()
     for token_id in stops:
         if token_id < bitmask.shape[1] * 32:
-            bitmask[row, token_id // 32] |= _bit(token_id % 32)
+            bitmask[row, token_id // 32] |= int32_bit(token_id % 32)
 
 
 def _clear_bits(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
     for token_id in token_ids:
         if token_id < bitmask.shape[1] * 32:
-            bitmask[row, token_id // 32] &= ~_bit(token_id % 32)
-
-
-def _bit(position: int) -> int:
-    """1 << position as an int32 value (bit 31 is the sign bit)."""
-    value = 1 << position
-    return value - (1 << 32) if value >= 1 << 31 else value
+            bitmask[row, token_id // 32] &= ~int32_bit(token_id % 32)
