@@ -74,7 +74,7 @@ def _prefill_logits(llm: object, ids: list[int]) -> torch.Tensor:
                                     KVCacheFormat.MODEL_DTYPE, torch.device("cpu"))
               for _ in range(cfg.num_hidden_layers)]
     meta = AttentionMetadata([0, n], [n], torch.arange(n_blocks).view(1, -1), torch.arange(n), block)
-    meta.plan = backend.plan(meta, torch.device("cpu"), cfg.sliding_window)
+    meta.plan = meta.plan_for(backend, torch.device("cpu"), cfg.sliding_window)
     with torch.inference_mode():
         return model.compute_logits(model(torch.tensor(ids), torch.arange(n), caches, meta))
 

@@ -7,7 +7,7 @@ by name (--attention-backend) in `registry.py`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,7 +24,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (S, max_blocks) int64, rows padded with 0 past the sequence's blocks
     slot_mapping: torch.Tensor  # (T,) int64 flat cache slot of each new token
     block_size: int
-    plan: Any = None  # backend-specific precomputation shared by all layers; see AttentionBackend.plan
+    plan: Any = None  # backend-specific precomputation for the model's default window; see AttentionBackend.plan
+    # Plans by sliding window (None: full attention), for models whose layers differ in window (Gemma 2/3):
+    # each window's masks are built once per step and shared by the layers with that window.
+    plans: dict[int | None, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -32,6 +35,13 @@ class AttentionMetadata:
 
     def query_len(self, i: int) -> int:
         return self.query_start_loc[i + 1] - self.query_start_loc[i]
+
+    def plan_for(self, backend: "AttentionBackend", device: torch.device, sliding_window: int | None) -> Any:
+        """The step's plan for layers with `sliding_window`, built on first use."""
+        plan = self.plans.get(sliding_window)
+        if plan is None:
+            plan = self.plans[sliding_window] = backend.plan(self, device, sliding_window)
+        return plan
 
 
 class AttentionBackend(ABC):

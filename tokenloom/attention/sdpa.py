@@ -96,9 +96,7 @@ class SDPABackend(AttentionBackend):
         sliding_window: int | None,
     ) -> torch.Tensor:
         k, v = self.write_kv(kv, k, v, meta.slot_mapping)  # as the cache holds them (INT8 round trip)
-        plan: DecodePlan = meta.plan
-        if plan is None:
-            plan = meta.plan = self.plan(meta, q.device, sliding_window)
+        plan: DecodePlan = meta.plan_for(self, q.device, sliding_window)
         group = q.shape[1] // kv.num_kv_heads
         out = q.new_empty(q.shape)
         if plan.decode_tokens is not None:

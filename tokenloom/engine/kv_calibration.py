@@ -97,7 +97,7 @@ def calibrate_kv_scales(model: LlamaForCausalLM, backend: AttentionBackend, devi
     caches = [LayerKVCache.allocate(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype,
                                     KVCacheFormat.MODEL_DTYPE, device) for _ in range(cfg.num_hidden_layers)]
     input_ids, positions, meta, _, _ = build_step(entries, block_size, device)
-    meta.plan = backend.plan(meta, device, cfg.sliding_window)
+    meta.plan = meta.plan_for(backend, device, cfg.sliding_window)
     model(input_ids, positions, caches, meta)
     # Slots no prompt token reached hold zeros, which never raise a maximum.
     return [tuple(head_scales(t.float().abs().amax(dim=(0, 1, 3)) * headroom) for t in (c.k, c.v))  # type: ignore[misc]

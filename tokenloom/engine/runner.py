@@ -63,7 +63,7 @@ class ModelRunner:
                 positions: torch.Tensor, meta: AttentionMetadata, token_idx: list[int]) -> torch.Tensor | None:
         """One forward over a flat batch; logits of the tokens at `token_idx` (None if there are none).
         `kv_caches` may be fewer than the model's layers: the self-draft runs only the first K."""
-        meta.plan = self.backend.plan(meta, self.device, model.config.sliding_window)
+        meta.plan = meta.plan_for(self.backend, self.device, model.config.sliding_window)
         # On CPU, oneDNN wins every matmul with 2+ rows, but a single-row matmul (one decoding
         # sequence) streams weights faster through ATen's own GEMV kernel
         # (docs/performance-notes.md#single-row-matmuls-and-onednn).

@@ -60,6 +60,9 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k after projection, before RoPE
     partial_rotary_factor: float = 1.0  # Phi-4-mini 0.75: RoPE turns only the first rotary_dim of each head
     sliding_window: int | None = None  # Mistral; None = full attention
+    # Per-layer attention kind, as HF's `layer_types` ("sliding_attention" / "full_attention"); empty means
+    # every layer has `sliding_window`. Gemma 2/3 interleave windowed and global layers.
+    layer_types: tuple[str, ...] = ()
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -67,6 +70,12 @@ class ModelConfig:
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer `layer` (None: the layer attends to the whole context)."""
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def rotary_dim(self) -> int:
