@@ -14,6 +14,7 @@ from tokenloom.bench.serve import add_serve_args, run_bench_serve
 from tokenloom.config import EngineConfig, GgufWeights, Role
 from tokenloom.engine.async_engine import AsyncLLMEngine
 from tokenloom.engine.engine import LLMEngine, freeze_gc
+from tokenloom.engine.warmup import warm_up
 from tokenloom.engine_args import add_engine_args, engine_config
 from tokenloom.errors import ConfigError, TokenloomError
 from tokenloom.llm import LLM
@@ -70,6 +71,8 @@ def _serve(args: argparse.Namespace) -> int:
     metrics = ServingMetrics(name)
     engine.on_step = metrics.on_step
     print(core.capacity.describe(), file=sys.stderr)
+    if args.warmup:  # before the server listens: /health is unreachable until the first request would be fast
+        print(engine.call_soon(warm_up).result().describe(), file=sys.stderr)
     logging.getLogger("tokenloom.access").setLevel(logging.INFO)  # one JSON line per request, on stderr
     receiver = None
     # The HMAC key of KV transfers (prefill: signs, decode: checks); none: a decode worker binds loopback only.
@@ -155,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="sequences allowed to queue (a request counts its n); more get 429")
     srv.add_argument("--max-n", type=int, default=128, help="the largest n (completions per request) accepted; "
                                                           "more get 400")
+    srv.add_argument("--no-warmup", dest="warmup", action="store_false",
+                     help="skip the warm-up passes run before the server listens (prefill of a full step, decode at "
+                          "every batch size); the first requests then pay the one-off costs")
     srv.add_argument("--graceful-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     srv.add_argument("--max-request-bytes", type=int, default=8 << 20,

@@ -1,0 +1,88 @@
+"""Warm-up before health (engine/warmup.py): which shapes run, that the engine is left clean, that a server
+does not answer /health before warm-up ends, and that its first request is not the slow one."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tokenloom.config import EngineConfig
+from tokenloom.engine.engine import LLMEngine
+from tokenloom.engine.warmup import warm_up
+from tokenloom.netutil import free_port
+
+
+def test_warm_up_runs_a_full_prefill_and_every_decode_batch_size_then_leaves_the_engine_clean(tiny_llama: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory="16MiB", max_model_len=256,
+                                    max_num_seqs=12, max_num_batched_tokens=96))
+    seen: list[tuple[int, int]] = []  # (sequences, tokens) of each step
+    execute = engine.runner.execute
+
+    def spy(batch):  # type: ignore[no-untyped-def]
+        seen.append((len(batch.seqs), sum(batch.num_new_tokens)))
+        return execute(batch)
+
+    engine.runner.execute = spy  # type: ignore[method-assign]
+    report = warm_up(engine)
+    assert report.prefill_tokens == 96 and report.decode_batch_sizes == 12
+    assert report.steps == len(seen)
+    assert seen[0] == (1, 96)  # the whole step budget as one prefill chunk
+    decode_sizes = {seqs for seqs, tokens in seen if seqs == tokens}  # steps where every sequence decoded one token
+    assert decode_sizes == set(range(1, 13))
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.usage == 0.0
+    assert engine.get_stats()["steps"] == 0  # users' counters start at zero
+    assert engine.reset_prefix_cache() == 0  # the warm-up prompts were dropped from the prefix cache
+
+
+def _first_ttfts(url: str, n: int) -> list[float]:
+    ttfts = []
+    with httpx.Client(timeout=60) as client:
+        for i in range(n):
+            start = time.monotonic()
+            with client.stream("POST", f"{url}/v1/completions", json={
+                    "model": "tiny", "prompt": "hello world " * (8 + i), "max_tokens": 4, "stream": True}) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        ttfts.append(time.monotonic() - start)
+                        break
+    return ttfts
+
+
+def test_health_waits_for_warm_up_and_the_first_request_is_not_the_slow_one(tiny_llama: Path, tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tokenloom.cli", "serve", "--model", str(tiny_llama), "--port",
+                                 str(port), "--served-model-name", "tiny", "--dtype", "bfloat16", "--kv-cache-memory", "16MiB", "--max-model-len", "512"],
+                                stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited: {log_path.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                pytest.fail(f"never healthy: {log_path.read_text()[-2000:]}")
+            time.sleep(0.05)
+        # The server listens only after warm-up: its line is already in the log when /health first answers.
+        assert "warm-up: " in log_path.read_text()
+        first, *rest = _first_ttfts(url, 4)
+        # The issue's bar: the first TTFT within 3x of the later ones. The 20 ms of slack absorb scheduler
+        # jitter on a shared 2-core machine, where a tiny model's TTFT is itself ~20 ms.
+        assert first <= 3 * statistics.median(rest) + 0.02, (first, rest)
+    finally:
+        proc.terminate()
+        proc.wait(30)
