@@ -220,7 +220,29 @@ def _measure_tokenloom(
     t["batch_out_tok_s"] = median_of(r, lambda: tl.throughput(batch, args.batch_output_len))
     t["prefill_tok_s"] = median_of(r, lambda: tl.prefill(long_prompt))
     t["decode_bandwidth_fraction"] = tl.weight_bytes * t["decode_tok_s"] / (bw * 1e9)
+    _print_roofline(args, t, tl, bw, len(short))
     return eng.loaded.path, eng.loaded.dtype, (short, batch, long_prompt)
+
+
+def _print_roofline(args: argparse.Namespace, t: dict[str, float], tl: TokenloomRunner, bw: float, short_len: int) -> None:
+    """A roofline line per phase (bench/roofline.py): the measured rates against this machine's ceilings."""
+    from tokenloom.bench.roofline import ModelCosts, Phase, measure_peaks
+
+    eng = tl.llm.engine
+    peaks = measure_peaks(bw)
+    kv_token = sum(2 * c.k[0, 0].numel() * c.k.element_size() for c in eng.runner.kv_caches)
+    costs = ModelCosts.of(eng.loaded.model, tl.weight_bytes, kv_token)
+    quantized = any(hasattr(m, "codes") for m in eng.loaded.model.modules())
+    rows = min(args.batch_prompts, eng.config.max_num_seqs)
+    phases = [
+        Phase("(a) decode, 1 row", t["decode_tok_s"], 1, 1, short_len + args.decode_tokens / 2),
+        # (b)'s rate includes its prompts' prefill: the line slightly understates the decode steps.
+        Phase(f"(b) decode, {rows} rows", t["batch_out_tok_s"], rows, 1, args.batch_input_len + args.batch_output_len / 2),
+        Phase(f"(c) prefill, {args.prefill_len} tokens", t["prefill_tok_s"], 1, args.prefill_len, args.prefill_len / 2),
+    ]
+    print(peaks.describe())
+    for ph in phases:
+        print(ph.line(costs, peaks, quantized))
 
 
 def _measure_transformers(
