@@ -4,12 +4,19 @@ tokenloom's kernels (int8 per channel, Q8_0-style int8 per 32, int4 with tokenlo
 with GGUF's 32). Prints median microseconds and the speed-up over bf16. The weights of one layer stay
 in cache between calls, so this measures the kernels' arithmetic.
 
+`--gguf-types` times the GGUF K-quant / Q5_0 kernels (quant/kquant.py) on Gemma 3 270M's shapes, each
+type at each shape (random blocks), against bf16 at the same shape (F.linear, and for few rows the skinny
+kernel the engine's bf16 decode uses) and Q8_0; every kernel route of the build at the row counts it
+serves. `--gguf-decode-step` times a Gemma 3 270M Q4_K_M decode step's linears out of cache (18 layers,
+each its own weights, with the file's types) against the same in bf16.
+
 `--decode-step` measures what a single-stream decode step pays instead: 30 layers' worth of SmolLM2's
 four linears, each its own weights (too many for the caches), called once each with one row, as the
 decode stack does; bf16 through the skinny kernel the engine uses. Prints ms per step and the weight
 bytes read per second.
 
     python benchmarks/quant_kernels.py [--min-run-time 0.1] [--rows 1,64] [--decode-step]
+    python benchmarks/quant_kernels.py --gguf-types [--rows 1,4,8,64,256] | --gguf-decode-step
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch.utils import benchmark
 
 from tokenloom.quant.linear import Int4Linear, Int8Linear
@@ -84,12 +92,133 @@ def _sized(layer: Int8Linear | Int4Linear) -> tuple[object, int]:
     return (lambda x: kernels.quant_linear(x, layer.codes, layer.scales, layer.mins, layer.bits, None)), nbytes
 
 
+# Gemma 3 270M: (N, K) per linear, and the types its Q4_K_M file uses there (ffn_down: Q6_K or Q4_K)
+GEMMA_SHAPES = {"qk": (1280, 640), "v": (256, 640), "o": (640, 1024), "gate_up": (4096, 640), "down": (640, 2048)}
+
+
+def _gguf_blocks(qtype: GGMLQuantizationType, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Random (N, row bytes) blocks with small float16 scales where the format has them."""
+    qk, size = GGML_QUANT_SIZES[qtype]
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n * k // qk, size), dtype=torch.uint8, generator=g)
+    offsets = {GGMLQuantizationType.Q6_K: (208,), GGMLQuantizationType.Q5_0: (0,)}.get(qtype, (0, 2))
+    for off in offsets:
+        raw[:, off:off + 2] = (torch.rand(len(raw), 1, generator=g) * 1e-3).half().view(torch.uint8)
+    return raw.reshape(n, -1)
+
+
+def _median_us(fn: object, min_run_time: float) -> float:
+    fn()  # type: ignore[operator]
+    return benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median * 1e6
+
+
+def gguf_types(rows: list[int], min_run_time: float) -> None:
+    from tokenloom.kernels import load_cpu_kernels
+    from tokenloom.kernels.limits import SKINNY_MAX_ROWS
+    from tokenloom.quant.kquant import KQUANT_TYPES, KQuantLinear
+
+    kernels = load_cpu_kernels()
+    routes = KQuantLinear.kernel_routes()
+    print(f"threads {torch.get_num_threads()}; kquant routes {', '.join(routes) or 'none'}; "
+          "median us (speed-up vs bf16 F.linear)")
+    for name, (n, k) in GEMMA_SHAPES.items():
+        w = (torch.randn(n, k) * 0.05).bfloat16()
+        q8 = Int8Linear.from_codes(*_q8_0(w))
+        for m in rows:
+            x = torch.randn(m, k).bfloat16()
+            fns: dict[str, object] = {"bf16": lambda: F.linear(x, w)}
+            if m <= SKINNY_MAX_ROWS and kernels is not None and kernels.skinny_available():
+                fns["bf16 skinny"] = lambda: kernels.skinny_linear(x, w, None)
+            fns["Q8_0"] = lambda: q8(x)
+            for qtype in KQUANT_TYPES:
+                if k % GGML_QUANT_SIZES[qtype][0]:
+                    continue
+                layer = KQuantLinear(_gguf_blocks(qtype, n, k), qtype, k)
+                for route in ("auto", *routes):
+                    lay = KQuantLinear(layer.blocks, qtype, k, route=route)
+                    fns[f"{qtype.name} {route}"] = lambda lay=lay: lay(x)
+            times = {label: _median_us(fn, min_run_time) for label, fn in fns.items()}
+            base = times["bf16"]
+            print(f"{name:8s} {n:5d}x{k:<5d} M={m:<3d} " + "  ".join(f"{lbl} {us:.1f} ({base / us:.2f}x)"
+                                                                   for lbl, us in times.items()))
+
+
+def _q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q8_0's quantization: int8 per 32 inputs, d = max |w| / 127."""
+    n, k = w.shape
+    blocks = w.float().reshape(n, k // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    return torch.round(blocks / d).clamp(-127, 127).to(torch.int8).reshape(n, k), d.squeeze(-1).half()
+
+
+def gguf_decode_step(repeats: int = 5, steps: int = 20) -> None:
+    import statistics
+    import time
+
+    from tokenloom.kernels import load_cpu_kernels
+    from tokenloom.quant.kquant import KQuantLinear
+
+    kernels = load_cpu_kernels()
+    if kernels is None or not KQuantLinear.kernel_routes():
+        raise SystemExit("--gguf-decode-step needs the C++ kernels")
+    Q = GGMLQuantizationType
+    torch.manual_seed(0)
+    # per layer as in the file: q+k Q5_0 (v Q8_0), o Q4_K, gate_up Q5_0, down Q6_K / Q4_K alternately
+    plan = [("qk", Q.Q5_0), ("v", Q.Q8_0), ("o", Q.Q4_K), ("gate_up", Q.Q5_0), ("down", Q.Q6_K)]
+    formats = {"bf16": None, "gguf Q4_K_M": plan}
+    for label, types in formats.items():
+        calls, nbytes = [], 0
+        for i in range(18):
+            for (name, qtype) in (types or [(s, None) for s in GEMMA_SHAPES]):
+                n, k = GEMMA_SHAPES[name]
+                x = torch.randn(1, k).bfloat16()
+                if qtype is None:
+                    w = (torch.randn(n, k) * 0.05).bfloat16()
+                    calls.append(lambda x=x, w=w: kernels.skinny_linear(x, w, None))
+                    nbytes += w.numel() * 2
+                elif qtype == Q.Q8_0:
+                    lay8 = Int8Linear.from_codes(*_q8_0(torch.randn(n, k) * 0.05))
+                    calls.append(lambda x=x, lay=lay8: lay(x))
+                    nbytes += lay8.codes.numel() + lay8.scales.numel() * 2
+                else:
+                    qt = Q.Q4_K if name == "down" and i % 2 else qtype
+                    lay = KQuantLinear(_gguf_blocks(qt, n, k, seed=i), qt, k)
+                    calls.append(lambda x=x, lay=lay: lay(x))
+                    nbytes += lay.blocks.numel()
+
+        def step() -> None:
+            for fn in calls:
+                fn()
+
+        for _ in range(3):
+            step()
+        runs = []
+        for _ in range(repeats):
+            times = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t)
+            runs.append(statistics.median(times))
+        med = statistics.median(runs)
+        print(f"{label:12s} {med * 1e3:6.3f} ms per step ({', '.join(f'{r * 1e3:.2f}' for r in runs)}), "
+              f"{nbytes / 1e6:5.1f} MB -> {nbytes / med / 1e9:5.1f} GB/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--min-run-time", type=float, default=0.1)
     ap.add_argument("--rows", default="1,64")
     ap.add_argument("--decode-step", action="store_true", help="time a decode step's worth of layers, out of cache")
+    ap.add_argument("--gguf-types", action="store_true", help="the GGUF K-quant / Q5_0 kernels on Gemma 3's shapes")
+    ap.add_argument("--gguf-decode-step", action="store_true", help="a Gemma 3 270M Q4_K_M decode step's linears")
     args = ap.parse_args()
+    if args.gguf_types:
+        gguf_types([int(r) for r in args.rows.split(",")], args.min_run_time)
+        return
+    if args.gguf_decode_step:
+        gguf_decode_step()
+        return
     if args.decode_step:
         decode_step()
         return

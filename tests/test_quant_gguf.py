@@ -1,5 +1,5 @@
 """GGUF Q8_0 / Q4_0 / Q4_1 tensors kept quantized: exact weights, the kernels against the dequantized
-float32 weight, and the embedded model with kept weights."""
+float32 weight, and the embedded model with kept weights (the K-quants: tests/test_kquant.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from gguf import quants as gguf_quants
 from tokenloom import LLM, SamplingParams
 from tokenloom.models.gguf_kept import blocks_to_codes
 from tokenloom.models.gguf_quants import dequantize
+from tokenloom.quant.embedding import QuantEmbedding
 from tokenloom.quant.linear import Int4Linear, Int8Linear
 from tokenloom.quant.weight_only import weight_bytes
 
@@ -43,9 +44,13 @@ def test_default_model_keeps_its_quantized_weights() -> None:
     model = kept.engine.loaded.model
     assert isinstance(model.layers[0].self_attn.qkv_proj, Int4Linear)  # Q4_1
     assert isinstance(model.lm_head, Int8Linear)  # tied to the Q8_0 token table
-    assert model.embed_tokens.weight.dtype == torch.bfloat16  # the lookup stays a dense table
+    # the lookup decodes rows of the head's blocks: one copy of the table
+    assert isinstance(model.embed_tokens, QuantEmbedding) and model.embed_tokens.table is model.lm_head
     dense = LLM(gguf_weights="dequantize", **kw)
-    assert weight_bytes(model) < 0.6 * weight_bytes(dense.engine.loaded.model)  # 146 MiB vs 257 MiB
+    dense_table = dense.engine.loaded.model.embed_tokens.weight
+    ids = torch.tensor([0, 17, 49151, 17])
+    assert torch.equal(model.embed_tokens(ids), dense_table[ids])  # d q in float32, rounded to bf16 once
+    assert weight_bytes(model) < 0.45 * weight_bytes(dense.engine.loaded.model)  # ~103 MiB vs 257 MiB
     question = [{"role": "user", "content": "What is the capital of France?"}]
     out = kept.chat(question, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
     assert "Paris" in out

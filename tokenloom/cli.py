@@ -66,6 +66,14 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--role {args.role} does not transfer a draft model's KV: use --speculative ngram or self")
     engine = AsyncLLMEngine.from_config(config, max_waiting=args.max_waiting, max_n=args.max_n)
     core = engine.engine
+    if args.role != "both":
+        from tokenloom.disagg.blocks import KVLayout
+
+        try:
+            KVLayout.of(core)  # a KV cache the transfer format cannot carry is refused now, not at the first prompt
+        except ConfigError:
+            engine.shutdown()
+            raise
     freeze_gc()
     name = args.served_model_name or core.model_name
     metrics = ServingMetrics(name)

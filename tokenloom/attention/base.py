@@ -2,6 +2,10 @@
 
 The per-layer cache (model dtype or INT8) and its layout are in `paged_kv.LayerKVCache`; the backends
 by name (--attention-backend) in `registry.py`.
+
+A model whose windowed layers release old blocks has several KV groups (engine/kv_cache.py), each with its
+own block tables and slot mapping; a backend reads the metadata of the layer's group
+(`meta.for_group(kv.group)`), so model code passes the same arguments either way.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ class AttentionMetadata:
     # Plans by sliding window (None: full attention), for models whose layers differ in window (Gemma 2/3):
     # each window's masks are built once per step and shared by the layers with that window.
     plans: dict[int | None, Any] = field(default_factory=dict)
+    # KV groups 1.. (group 0 is this object): the same sequences and tokens through each group's own block
+    # tables (released entries point at block 0, outside every window) and slot mapping.
+    group_metas: list["AttentionMetadata"] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -35,6 +42,15 @@ class AttentionMetadata:
 
     def query_len(self, i: int) -> int:
         return self.query_start_loc[i + 1] - self.query_start_loc[i]
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """The metadata of KV group `group` (LayerKVCache.group)."""
+        if group == 0:
+            return self
+        if group > len(self.group_metas):
+            raise RuntimeError(f"a layer of KV group {group} ran on a step built with "
+                               f"{1 + len(self.group_metas)} group(s) of block tables")
+        return self.group_metas[group - 1]
 
     def plan_for(self, backend: "AttentionBackend", device: torch.device, sliding_window: int | None) -> Any:
         """The step's plan for layers with `sliding_window`, built on first use."""

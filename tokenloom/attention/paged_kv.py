@@ -64,6 +64,10 @@ class LayerKVCache:
     # seen with zero block and token strides); None for a model-dtype cache.
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    # The KV group (engine/kv_cache.py `KVGroup`) whose block table indexes this layer's blocks: layers of
+    # different groups may share k/v tensors, each through its own group's blocks
+    # (AttentionMetadata.for_group picks the table).
+    group: int = 0
 
     def __post_init__(self) -> None:
         for s in (self.k_scale, self.v_scale):

@@ -24,6 +24,7 @@ class ReferenceBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
+        meta = meta.for_group(kv.group)  # the layer's KV group: its block tables and slots
         kv.write(k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         num_heads, num_kv_heads = q.shape[1], kv.num_kv_heads

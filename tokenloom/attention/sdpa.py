@@ -5,7 +5,8 @@ So are the tokens of short chunks (at most DECODE_STYLE_MAX_QUERY, e.g. 1 + k to
 speculative drafts): query j of such a chunk is a decode row whose context ends at its own position,
 which is its causal mask (the chunk's K/V is written to the cache before attention). A longer prefill
 with no earlier context attends to its own fresh K/V with the built-in causal mask; a longer chunk that
-continues a sequence gathers its context from the cache with an offset causal mask.
+continues a sequence gathers its context from the cache with an offset causal mask; under a sliding
+window it gathers only the blocks the window reaches (a windowed KV group has released the older ones).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class _Prefill:
     end: int
     ctx: int
     blocks: torch.Tensor | None  # None when the chunk is the whole context (read fresh K/V)
-    mask: torch.Tensor | None  # (q_len, ctx) bool, True = attend; None = plain causal
+    mask: torch.Tensor | None  # (q_len, ctx - first) bool, True = attend; None = plain causal
+    first: int = 0  # position of the first gathered key (a block boundary; > 0 only under a window)
 
 
 @dataclass
@@ -64,13 +66,16 @@ class SDPABackend(AttentionBackend):
             if ctx == q_len and sliding_window is None:
                 prefills.append(_Prefill(start, end, ctx, None, None))
                 continue
+            # Keys from the first block the chunk's first query reaches (position 0 without a window).
+            first_block = 0 if sliding_window is None or ctx == q_len else max(0, ctx - q_len - sliding_window + 1) // bs
+            first = first_block * bs
             q_pos = torch.arange(ctx - q_len, ctx, device=device)[:, None]
-            k_pos = torch.arange(ctx, device=device)[None, :]
+            k_pos = torch.arange(first, ctx, device=device)[None, :]
             mask = k_pos <= q_pos
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
-            blocks = meta.block_tables[i, : (ctx + bs - 1) // bs]
-            prefills.append(_Prefill(start, end, ctx, blocks if ctx > q_len else None, mask))
+            blocks = meta.block_tables[i, first_block : (ctx + bs - 1) // bs]
+            prefills.append(_Prefill(start, end, ctx, blocks if ctx > q_len else None, mask, first))
         if not dec_tokens:
             return DecodePlan(None, None, None, None, False, prefills)
         rows = torch.tensor(dec_seqs, device=device)
@@ -95,6 +100,7 @@ class SDPABackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
+        meta = meta.for_group(kv.group)  # the layer's KV group: its block tables and slots
         k, v = self.write_kv(kv, k, v, meta.slot_mapping)  # as the cache holds them (INT8 round trip)
         plan: DecodePlan = meta.plan_for(self, q.device, sliding_window)
         group = q.shape[1] // kv.num_kv_heads
@@ -110,7 +116,7 @@ class SDPABackend(AttentionBackend):
             if p.blocks is None:
                 kp, vp = k[p.start : p.end], v[p.start : p.end]  # (q_len, Hkv, D) fresh
             else:
-                kp, vp = kv.gather(p.blocks, p.ctx, q.dtype)
+                kp, vp = kv.gather(p.blocks, p.ctx - p.first, q.dtype)
             kp = kp.transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
             vp = vp.transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(

@@ -52,11 +52,14 @@ def perplexity(engine: LLMEngine, ids: list[int], window: int, stride: int,
     for begin in range(0, len(ids), stride):
         end = min(begin + window, len(ids))
         tokens = ids[begin:end]
-        blocks = engine.kv.pool.allocate(-(-len(tokens) // bs))
+        # One block table per KV group (engine/kv_cache.py): a model whose windowed layers release blocks
+        # keeps their K/V in tables of their own. A window is short, so nothing is released here.
+        tables = [engine.kv.pool.allocate(-(-len(tokens) // bs)) for _ in range(engine.kv.num_groups)]
         try:
-            logits = _window_logits(engine, tokens, blocks, chunk or len(tokens))
+            logits = _window_logits(engine, tokens, tables, chunk or len(tokens))
         finally:
-            engine.kv.pool.free(blocks)
+            for blocks in tables:
+                engine.kv.pool.free(blocks)
         first = max(scored_until, begin + 1)  # first target position not scored yet
         if first < end:
             pred = logits[first - 1 - begin : end - 1 - begin]  # rows predicting positions first..end-1
@@ -69,13 +72,14 @@ def perplexity(engine: LLMEngine, ids: list[int], window: int, stride: int,
     return math.exp(nll / count), count
 
 
-def _window_logits(engine: LLMEngine, tokens: list[int], blocks: list[int], piece: int) -> torch.Tensor:
-    """(len(tokens), vocab) logits of one window, run in forward passes of `piece` tokens."""
+def _window_logits(engine: LLMEngine, tokens: list[int], tables: list[list[int]], piece: int) -> torch.Tensor:
+    """(len(tokens), vocab) logits of one window, run in forward passes of `piece` tokens; `tables`: the
+    window's blocks in each KV group."""
     rows = []
     for start in range(0, len(tokens), piece):
         part = tokens[start:start + piece]
         input_ids, positions, meta, _, token_idx = build_step(
-            [StepInput(part, start, blocks, len(part))], engine.kv.block_size, engine.device)
+            [StepInput(part, start, tables[0], len(part), tuple(tables[1:]))], engine.kv.block_size, engine.device)
         logits = engine.runner.forward(engine.runner.model, engine.runner.kv_caches, input_ids, positions, meta,
                                        token_idx)
         if logits is None:

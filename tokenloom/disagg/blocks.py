@@ -22,7 +22,7 @@ from tokenloom.engine.block_pool import NO_PARENT
 from tokenloom.engine.engine import LLMEngine
 from tokenloom.engine.kv_cache import KVCacheSpec
 from tokenloom.engine.kv_calibration import scales_digest
-from tokenloom.errors import TokenloomError
+from tokenloom.errors import ConfigError, TokenloomError
 
 
 class KVTransferError(TokenloomError):
@@ -46,6 +46,14 @@ class KVLayout:
     @classmethod
     def of(cls, engine: LLMEngine) -> "KVLayout":
         caches = engine.runner.kv_caches
+        num_groups = 1 + max(c.group for c in caches)
+        if num_groups > 1:
+            # A block id then holds one group's K/V for a few layers, and a prefix needs every group's
+            # blocks: the transfer format carries one block for the whole layer stack.
+            raise ConfigError(
+                f"disaggregated prefill/decode cannot transfer the KV cache of {engine.model_name}: its "
+                f"sliding-window and full-attention layers keep separate block tables ({num_groups} KV groups, "
+                "so windowed layers can release old blocks); serve it with --role both")
         k, fmt = caches[0].k, caches[0].format
         scales = ""
         if fmt.per_head_scales:

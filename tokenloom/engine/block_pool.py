@@ -11,6 +11,10 @@ Invariant (`check_invariants`): free + cached + used == total.
 entry records the block's own token ids and its parent block (id and generation), so `lookup` confirms a
 hit exactly: a hash collision, or a parent whose content has since been replaced, is a miss, never
 wrong K/V.
+
+A model whose layers form several KV groups (engine/kv_cache.py: full-attention and sliding-window
+layers) draws every group's blocks from this one pool; the same tokens then have one block per group,
+so the index is keyed by (group, hash) and a block caches one group's K/V.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class NoFreeBlocks(TokenloomError):
 @dataclass(frozen=True)
 class CacheEntry:
     block_hash: int
+    group: int  # the KV group whose layers' K/V the block holds
     tokens: tuple[int, ...]  # the block_size token ids whose K/V the block holds
     parent: int  # block id of the previous block of the prefix, NO_PARENT for the first
     parent_generation: int  # the parent's generation when this entry was made
@@ -44,7 +49,7 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached and unreferenced, LRU first
         self._entries: list[CacheEntry | None] = [None] * num_blocks
-        self._by_hash: dict[int, int] = {}  # block hash -> block id
+        self._by_hash: dict[tuple[int, int], int] = {}  # (group, block hash) -> block id
         # Bumped whenever a block's cached content is dropped: children recorded against an older
         # generation of their parent no longer match.
         self._generation = [0] * num_blocks
@@ -117,27 +122,27 @@ class BlockPool:
 
     # -- the prefix cache index -------------------------------------------------------------------
 
-    def cache(self, block: int, block_hash: int, tokens: tuple[int, ...], parent: int) -> int:
+    def cache(self, block: int, block_hash: int, tokens: tuple[int, ...], parent: int, group: int = 0) -> int:
         """Record that used block `block` holds `tokens` after `parent`. Returns the block that now
         stands for this content: `block`, or an existing block with exactly the same content and
         chain (the caller should switch to it). With a colliding hash of other content, `block` stays
         unindexed and is returned."""
         if self.ref_counts[block] <= 0:
             raise ValueError(f"block {block} is not in use; only computed blocks can be cached")
-        existing = self.lookup(block_hash, tokens, parent)
+        existing = self.lookup(block_hash, tokens, parent, group)
         if existing is not None:
             return existing
-        if block_hash in self._by_hash or self._entries[block] is not None:
+        if (group, block_hash) in self._by_hash or self._entries[block] is not None:
             return block  # a collision with other content (or already indexed): leave it be
         gen = self._generation[parent] if parent != NO_PARENT else 0
-        self._entries[block] = CacheEntry(block_hash, tokens, parent, gen)
-        self._by_hash[block_hash] = block
+        self._entries[block] = CacheEntry(block_hash, group, tokens, parent, gen)
+        self._by_hash[(group, block_hash)] = block
         return block
 
-    def lookup(self, block_hash: int, tokens: tuple[int, ...], parent: int) -> int | None:
-        """The cached block holding `tokens` right after `parent`, or None. Confirmed against the
-        stored tokens and parent, so a hash collision is a miss."""
-        b = self._by_hash.get(block_hash)
+    def lookup(self, block_hash: int, tokens: tuple[int, ...], parent: int, group: int = 0) -> int | None:
+        """The cached block of KV group `group` holding `tokens` right after `parent`, or None. Confirmed
+        against the stored tokens and parent, so a hash collision is a miss."""
+        b = self._by_hash.get((group, block_hash))
         if b is None:
             return None
         e = self._entries[b]
@@ -159,8 +164,8 @@ class BlockPool:
     def _drop_entry(self, b: int) -> None:
         e = self._entries[b]
         if e is not None:
-            if self._by_hash.get(e.block_hash) == b:
-                del self._by_hash[e.block_hash]
+            if self._by_hash.get((e.group, e.block_hash)) == b:
+                del self._by_hash[(e.group, e.block_hash)]
             self._entries[b] = None
         self._generation[b] += 1
 
@@ -180,7 +185,7 @@ class BlockPool:
             raise AssertionError("a cached block has no entry")
         if any(self._entries[b] is not None for b in free):
             raise AssertionError("a free block still has a cache entry")
-        for h, b in self._by_hash.items():
+        for (g, h), b in self._by_hash.items():
             e = self._entries[b]
-            if e is None or e.block_hash != h:
+            if e is None or e.block_hash != h or e.group != g:
                 raise AssertionError(f"hash index points at block {b}, which does not hold that hash")

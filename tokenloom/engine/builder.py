@@ -18,7 +18,8 @@ from tokenloom.attention.cpu import CPUBackend
 from tokenloom.attention.registry import get_backend
 from tokenloom.config import EngineConfig
 from tokenloom.engine.fused_decode import build_fused_decoder
-from tokenloom.engine.kv_cache import KVCacheSpec, KVCapacity, allocate_kv_cache, free_memory_bytes, plan_capacity
+from tokenloom.engine.kv_cache import (KVCacheSpec, KVCapacity, allocate_kv_cache, free_memory_bytes, kv_groups,
+                                       plan_capacity)
 from tokenloom.engine.kv_cache_manager import KVCacheManager
 from tokenloom.engine.kv_calibration import calibrate_kv_scales, calibration_prompts
 from tokenloom.engine.runner import ModelRunner
@@ -82,14 +83,22 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     spec = KVCacheSpec.for_model(mcfg, config.block_size, loaded.dtype, kv_format)
     draft_spec = (KVCacheSpec.for_model(draft.config, config.block_size, draft.dtype, kv_format)
                   if draft is not None else None)
+    # Windowed layers release the blocks behind their reach (engine/kv_cache.py), except with a draft
+    # model: its K/V lives in the target's first block table, whose blocks it must keep for its own layers.
+    release = config.speculative != "draft"
+    groups = kv_groups(mcfg, max_model_len, release)
+    if not release and kv_groups(mcfg, max_model_len) != groups:
+        log.info("sliding-window layers keep every KV block: --speculative draft keeps the draft model's K/V in "
+                 "the same blocks")
     capacity = plan_capacity(spec, config.kv_cache_memory, device, max_model_len,
-                             draft_spec.bytes_per_block if draft_spec else 0)
-    kv = KVCacheManager(capacity.num_blocks, config.block_size, config.enable_prefix_caching)
+                             draft_spec.bytes_per_block if draft_spec else 0, groups, config.max_num_batched_tokens)
+    kv = KVCacheManager(capacity.num_blocks, config.block_size, config.enable_prefix_caching,
+                        windows=[g.window for g in groups])
 
     def scales(model: LlamaForCausalLM) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         return _calibrate(config, loaded, model, backend, device) if kv_format.per_head_scales else None
 
-    kv_tensors = allocate_kv_cache(spec, capacity.num_blocks, device, scales(loaded.model))
+    kv_tensors = allocate_kv_cache(spec, capacity.num_blocks, device, scales(loaded.model), groups)
     fused = (build_fused_decoder(backend.kernels, loaded.model, kv_tensors, device)
              if config.fused_decode and isinstance(backend, CPUBackend) else None)
     runner = ModelRunner(loaded.model, kv_tensors, config.block_size, backend, device, fused)

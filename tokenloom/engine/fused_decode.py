@@ -5,9 +5,12 @@ per layer, each reached through nn.Module and pybind. The C++ decode stack holds
 and KV cache tensors (shared, not copied) and calls the same kernels in the same order, so its hidden
 states equal the Python model's bit for bit (tests/test_decode_stack.py). It serves only steps whose
 every row is a decode row (plan.all_decode), on CPU, for bfloat16 Llama-family models whose linears
-are bfloat16 `Linear` or the C++ `QuantLinear` and that have no q/k norm (Qwen3) and no partial rotary
-(Phi-4-mini); everything else stays on the Python model. LongRoPE needs nothing of it: cos/sin come from the
-model's table.
+are bfloat16 `Linear` or the C++ `QuantLinear` and that have no q/k norm (Qwen3), no partial rotary
+(Phi-4-mini) and no mixture of experts (Mixtral, Qwen2/3-MoE); everything else stays on the Python model.
+LongRoPE needs nothing of it: cos/sin come from the model's table. One window serves every layer: a model
+mixing sliding and full layers (several KV groups, engine/kv_cache.py) stays on the Python model; an
+all-windowed one (Mistral) runs here, its kernel reading only the last `window` positions, never the
+released blocks before them (tests/test_sliding_window.py).
 """
 
 from __future__ import annotations
@@ -50,8 +53,17 @@ class FusedDecoder:
             return "no CPU kernels"
         if not kernels.skinny_available():
             return "the CPU lacks AVX512-BF16"
+        if model.config.family == "gemma":
+            return (f"{model.config.architecture} has (1 + w) RMSNorms around attention and MLP, GeGLU and a "
+                    "RoPE base per layer kind (Gemma), which the C++ stack does not")
+        if model.config.num_experts:
+            return (f"{model.config.architecture} routes tokens to experts (mixture of experts), "
+                    "which the C++ stack does not")
         if model.config.qk_norm:
             return f"{model.config.architecture} normalizes q and k per head, which the C++ stack does not"
+        if len({model.config.layer_window(i) for i in range(model.config.num_hidden_layers)}) > 1:
+            return (f"{model.config.architecture} mixes sliding-window and full-attention layers (one block "
+                    "table and window per layer group), which the C++ stack does not")
         if model.config.rotary_dim != model.config.head_dim:
             return (f"{model.config.architecture} rotates {model.config.rotary_dim} of {model.config.head_dim} "
                     "head dims (partial rotary), which the C++ stack does not")
@@ -87,6 +99,8 @@ def build_fused_decoder(kernels: ModuleType | None, model: LlamaForCausalLM, kv_
                         device: torch.device) -> FusedDecoder | None:
     """The fused decoder for this model, or None (logged) when the Python path must serve decode too."""
     why = FusedDecoder.supports(kernels, model, device)
+    if why is None and any(kv.group for kv in kv_caches):
+        why = "the KV cache has several layer groups, each with its own block tables"
     if why is not None or kernels is None:
         log.info("fused decode step off: %s", why)
         return None

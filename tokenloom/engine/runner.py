@@ -17,13 +17,14 @@ import torch
 from tokenloom.attention.base import AttentionBackend, AttentionMetadata
 from tokenloom.engine.fused_decode import FusedDecoder
 from tokenloom.engine.scheduler import ScheduledBatch
-from tokenloom.models.llama import KVCache, LlamaForCausalLM
+from tokenloom.models.llama import KVCache
+from tokenloom.models.loader import CausalLM
 
 
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: list[KVCache],
         block_size: int,
         backend: AttentionBackend,
@@ -50,7 +51,7 @@ class ModelRunner:
             # A sequence whose step reaches the end of what it knows samples: one logits row, or
             # 1 + k rows when it verifies k draft tokens.
             num_logits = 1 + len(drafts) if end == seq.num_tokens + len(drafts) else 0
-            entries.append(StepInput(ids, start, seq.block_ids, num_logits))
+            entries.append(StepInput(ids, start, seq.block_ids, num_logits, tuple(seq.block_tables[1:])))
         return build_step(entries, self.block_size, self.device)
 
     @torch.inference_mode()
@@ -59,7 +60,7 @@ class ModelRunner:
         input_ids, positions, meta, rows, token_idx = self.prepare(batch)
         return rows, self.forward(self.model, self.kv_caches, input_ids, positions, meta, token_idx)
 
-    def forward(self, model: LlamaForCausalLM, kv_caches: list[KVCache], input_ids: torch.Tensor,
+    def forward(self, model: CausalLM, kv_caches: list[KVCache], input_ids: torch.Tensor,
                 positions: torch.Tensor, meta: AttentionMetadata, token_idx: list[int]) -> torch.Tensor | None:
         """One forward over a flat batch; logits of the tokens at `token_idx` (None if there are none).
         `kv_caches` may be fewer than the model's layers: the self-draft runs only the first K."""
@@ -87,6 +88,7 @@ class StepInput:
     start: int  # position of token_ids[0]
     block_ids: list[int]  # the sequence's block table (covers start + len(token_ids) positions)
     num_logits: int  # logits rows wanted for the last tokens (0: none)
+    group_block_ids: tuple[list[int], ...] = ()  # its tables of KV groups 1.. (engine/kv_cache.py), if any
 
 
 def build_step(entries: list[StepInput], block_size: int, device: torch.device
@@ -110,19 +112,32 @@ def build_step(entries: list[StepInput], block_size: int, device: torch.device
         end = query_start_loc[-1]
         logit_rows.extend([i] * e.num_logits)
         logit_tokens.extend(range(end - e.num_logits, end))
-    max_blocks = max(len(e.block_ids) for e in entries)
-    tables = [e.block_ids + [0] * (max_blocks - len(e.block_ids)) for e in entries]
     pos = torch.tensor(positions, dtype=torch.long)
-    block_tables = torch.tensor(tables, dtype=torch.long)  # (S, max_blocks)
     owner = torch.tensor(seq_index, dtype=torch.long)
-    slots = block_tables[owner, pos // block_size] * block_size + pos % block_size
-    meta = AttentionMetadata(
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
-        block_tables=block_tables.to(device),
-        slot_mapping=slots.to(device),
-        block_size=block_size,
-    )
+    num_groups = 1 + len(entries[0].group_block_ids)
+    if any(len(e.group_block_ids) != num_groups - 1 for e in entries):
+        raise ValueError("every sequence of a step needs one block table per KV group")
+    metas = []
+    for g in range(num_groups):
+        group_tables = [e.block_ids if g == 0 else e.group_block_ids[g - 1] for e in entries]
+        max_blocks = max(len(t) for t in group_tables)
+        rows = [t + [0] * (max_blocks - len(t)) for t in group_tables]
+        block_tables = torch.tensor(rows, dtype=torch.long)  # (S, max_blocks)
+        new_blocks = block_tables[owner, pos // block_size]  # (T,)
+        if bool((new_blocks < 0).any()):  # a released entry (NULL_BLOCK) is never written
+            raise RuntimeError("a new token's KV slot lies in a released block")
+        slots = new_blocks * block_size + pos % block_size
+        # Padding and released entries read block 0: outside every query's window, always masked.
+        block_tables.clamp_(min=0)
+        metas.append(AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables.to(device),
+            slot_mapping=slots.to(device),
+            block_size=block_size,
+        ))
+    meta = metas[0]
+    meta.group_metas = metas[1:]
     return torch.tensor(input_ids, dtype=torch.long, device=device), pos.to(device), meta, logit_rows, logit_tokens
 
 

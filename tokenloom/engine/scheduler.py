@@ -13,7 +13,8 @@ is no longer in the prefix cache).
 After the model ran and the sampler picked tokens, `update` settles the step: how many tokens now have
 K/V in the cache (all scheduled ones, less the rejected drafts), the new tokens (through the output
 processor, which says when one ends its sequence), the blocks that filled up (indexed in the prefix
-cache) or were reserved for rejected drafts (returned), and the finished sequences (freed).
+cache), were reserved for rejected drafts (returned) or fell out of every windowed layer's reach
+(returned), and the finished sequences (freed).
 `reserve_drafts` then picks the decoding sequences that may speculate next step and reserves their slots.
 """
 
@@ -185,7 +186,7 @@ class Scheduler:
                 deferred.append(heapq.heappop(self._waiting))  # back in the queue after this step's admissions
                 continue
             cached = self.kv.find_cached_prefix(seq)
-            n = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
+            n = min(seq.num_tokens - cached.num_blocks * self.kv.block_size, budget)
             if not self.kv.allocate_slots(seq, n, cached):
                 break
             heapq.heappop(self._waiting)
@@ -263,6 +264,7 @@ class Scheduler:
         seq.spec.clear()
         self.kv.trim(seq)
         self.kv.cache_full_blocks(seq)
+        self.kv.release(seq)  # windowed layers' blocks out of reach (after caching: they stay findable)
         return status
 
     def reserve_drafts(self, k_max: int) -> tuple[list[Sequence], list[int]]:

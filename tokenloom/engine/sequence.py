@@ -94,9 +94,13 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    block_ids: list[int] = field(default_factory=list)
-    # Prefix caching: chained hashes of the full blocks of token_ids (memoized), how many of
-    # block_ids are indexed in the cache, and how many prompt tokens the first admission found cached.
+    # One block table per KV group (engine/kv_cache.py; one group unless windowed layers release blocks).
+    # A windowed group's first num_released[g] entries are NULL_BLOCK: blocks out of every query's reach,
+    # gone back to the pool (engine/kv_cache_manager.py).
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
+    num_released: list[int] = field(default_factory=lambda: [0])
+    # Prefix caching: chained hashes of the full blocks of token_ids (memoized), how many of each
+    # table's blocks are indexed in the cache, and how many prompt tokens the first admission found cached.
     block_hashes: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0
     num_cached_tokens: int | None = None
@@ -112,6 +116,11 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first KV group's block table (the only one of a model whose layers all keep every block)."""
+        return self.block_tables[0]
 
     @property
     def prompt_len(self) -> int:

@@ -86,6 +86,7 @@ class EngineStats:
             "kv_blocks_used": pool.num_used,
             "kv_blocks_cached": pool.num_cached,
             "kv_blocks_evicted": pool.num_evictions,
+            "kv_blocks_released_by_window": kv.num_released,  # windowed layers' blocks out of reach
             "spec_decode_num_drafts": sd.num_drafts,
             "spec_decode_draft_tokens": sd.draft_tokens,
             "spec_decode_accepted_tokens": sd.accepted_tokens,

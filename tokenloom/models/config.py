@@ -17,6 +17,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",  # Llama layout + per-head RMSNorm on q and k (qk_norm)
     "Phi3ForCausalLM": "llama",  # Llama layout with fused qkv/gate_up tensors, longrope, partial rotary (Phi-4-mini)
+    "MixtralForCausalLM": "llama",  # Mistral layout, every MLP a sparse mixture of experts (models/moe.py)
+    "Qwen3MoeForCausalLM": "llama",  # Qwen3 layout, MoE MLPs (dense ones where mlp_only_layers says so)
+    "Qwen2MoeForCausalLM": "llama",  # Qwen2 layout, MoE MLPs with a gated shared expert
+    "Gemma3ForCausalLM": "gemma",  # interleaved sliding/global layers, 4 norms a layer, q/k norm (models/gemma.py)
+    "Gemma2ForCausalLM": "gemma",  # Gemma 3 without q/k norm, one RoPE base; attention softcapping refused
 }
 
 
@@ -64,6 +69,21 @@ class ModelConfig:
     # every layer has `sliding_window`. Gemma 2/3 interleave windowed and global layers.
     layer_types: tuple[str, ...] = ()
     hidden_act: str = "silu"
+    # Gemma 2/3 (models/gemma.py). The sliding-window layers' RoPE base (None: rope_theta, and no rope_scaling).
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale = query_pre_attn_scalar**-0.5 (None: head_dim)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    # Mixture of experts (models/moe.py); num_experts 0 means every layer has a dense SwiGLU MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # k: experts each token is routed to
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width (Mixtral: intermediate_size)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a sigmoid-gated SwiGLU every token runs (0: none)
+    norm_topk_prob: bool = True  # the k routing weights are renormalised to sum to 1
+    router: str = "softmax_topk"  # "topk_softmax": softmax over the k best logits (Mixtral) | "softmax_topk":
+    #                               softmax over all experts, then the k best (Qwen3-MoE)
+    # Per layer: True where the MLP is a MoE block; empty means every layer (when num_experts > 0).
+    # Qwen3-MoE's mlp_only_layers / decoder_sparse_step make some layers dense (intermediate_size wide).
+    moe_layers: tuple[bool, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -76,6 +96,10 @@ class ModelConfig:
         if self.layer_types and self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts (else a dense SwiGLU)."""
+        return self.num_experts > 0 and (not self.moe_layers or self.moe_layers[layer])
 
     @property
     def rotary_dim(self) -> int:
@@ -91,7 +115,9 @@ class ModelConfig:
                 f"unsupported model architecture {arch!r}; tokenloom supports "
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
-        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        if SUPPORTED_ARCHITECTURES[arch] == "gemma":
+            cfg = _gemma_flat(arch, cfg)
+        if cfg.get("hidden_act", "silu") not in _ACTIVATIONS[SUPPORTED_ARCHITECTURES[arch]]:
             raise UnsupportedArchitecture(f"{arch}: unsupported hidden_act {cfg.get('hidden_act')!r}")
         n_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -102,13 +128,14 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         sliding = cfg.get("sliding_window")
-        qwen3 = arch == "Qwen3ForCausalLM"
+        qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         head_dim = int(cfg.get("head_dim") or hidden // n_heads)
         partial = float(cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0)) or 1.0)
         max_pos = int(cfg.get("max_position_embeddings", 2048))
         if arch == "Phi3ForCausalLM" and str(rope_scaling_d.get("rope_type") or rope_scaling_d.get("type")) == "yarn":
             rope_scaling_d["rope_type"] = "longrope"  # Phi3Config reads "su" and "yarn" as longrope
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+        if (arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+                and not cfg.get("use_sliding_window", False)):
             sliding = None
         return cls(
             architecture=arch,
@@ -125,15 +152,20 @@ class ModelConfig:
             rope_scaling=parse_rope_scaling(rope_scaling_d, max_pos, cfg.get("original_max_position_embeddings"),
                                             int(head_dim * partial)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch in ("Qwen2ForCausalLM",
+                                                                                       "Qwen2MoeForCausalLM")))),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             o_proj_bias=qwen3 and bool(cfg.get("attention_bias", False)),
-            qk_norm=qwen3,
+            qk_norm=qwen3 or arch == "Gemma3ForCausalLM",
             partial_rotary_factor=partial,
             sliding_window=int(sliding) if sliding else None,
+            # Qwen2 (max_window_layers), Gemma 2/3: which layers the window applies to
+            layer_types=tuple(str(t) for t in cfg.get("layer_types") or ()),
             hidden_act=str(cfg.get("hidden_act", "silu")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **_moe_fields(arch, cfg),
+            **_gemma_fields(arch, cfg),
         )
 
     @classmethod
@@ -148,6 +180,80 @@ class ModelConfig:
             raise ModelLoadError(f"{path}: missing field {e}") from e
         except (TypeError, ValueError, ZeroDivisionError) as e:
             raise ModelLoadError(f"{path}: invalid field value ({e})") from e
+
+
+# The MLP activations each family implements (Gemma's GeGLU is tanh-approximated GELU).
+_ACTIVATIONS: dict[str, tuple[str, ...]] = {"llama": ("silu", "swish"), "gemma": ("gelu_pytorch_tanh",)}
+
+
+def _gemma_flat(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 2/3 config.json in the flat shape from_hf_dict reads: the global layers' RoPE (transformers 5
+    nests it under rope_parameters["full_attention"], 4 writes rope_theta + rope_scaling) as rope_theta /
+    rope_scaling, `hidden_activation` as hidden_act, and Gemma's defaults where the file omits a field."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise UnsupportedArchitecture(
+            f"{arch}: attn_logit_softcapping={cfg['attn_logit_softcapping']} (tanh-capped attention scores) is not "
+            "implemented by tokenloom's attention backends")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedArchitecture(f"{arch}: use_bidirectional_attention (an embedding model) is not supported")
+    out = dict(cfg)
+    params = dict(cfg.get("rope_parameters") or {})
+    full = dict(params.get("full_attention") or ({} if "sliding_attention" in params else params))
+    out["rope_theta"] = float(full.get("rope_theta", cfg.get("rope_theta", 1e6 if arch == "Gemma3ForCausalLM" else 1e4)))
+    out["rope_scaling"] = {k: v for k, v in (full or dict(cfg.get("rope_scaling") or {})).items() if k != "rope_theta"}
+    out.pop("rope_parameters", None)
+    local = dict(params.get("sliding_attention") or {})
+    if str(local.get("rope_type", "default")) != "default":
+        raise UnsupportedArchitecture(f"{arch}: rope scaling {local['rope_type']!r} on the sliding-window layers")
+    if "rope_theta" in local:
+        out["rope_local_base_freq"] = local["rope_theta"]
+    out["hidden_act"] = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    out.setdefault("tie_word_embeddings", True)
+    n_layers = int(cfg["num_hidden_layers"])
+    # Gemma 3: every `sliding_window_pattern`-th layer is global (5 local : 1 global); Gemma 2 alternates.
+    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+                  or (6 if arch == "Gemma3ForCausalLM" else 2))
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                       for i in range(n_layers)]
+    if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"{arch}: layer_types must name sliding_attention / full_attention for each of "
+                             f"{n_layers} layers")
+    out["layer_types"] = list(types)
+    return out
+
+
+def _gemma_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's Gemma fields from a (flattened) Gemma 2/3 config.json ({} for other families)."""
+    if SUPPORTED_ARCHITECTURES.get(arch) != "gemma":
+        return {}
+    local = float(cfg.get("rope_local_base_freq") or 10000.0) if arch == "Gemma3ForCausalLM" else None
+    cap = cfg.get("final_logit_softcapping")
+    return dict(rope_local_theta=local,
+                query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
+                final_logit_softcapping=None if cap is None else float(cap))
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from a Mixtral / Qwen2-MoE / Qwen3-MoE config.json ({} for dense
+    models)."""
+    if arch not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    # transformers 5 writes Qwen3-MoE's num_experts under its alias num_local_experts
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    k = int(cfg.get("num_experts_per_tok") or 0)
+    if not 0 < k <= experts:
+        raise ModelLoadError(f"{arch}: num_experts_per_tok {k} must be in 1..num_experts ({experts})")
+    n_layers = int(cfg["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=int(cfg["intermediate_size"]),
+                    norm_topk_prob=True, router="topk_softmax")
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+    return dict(num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), router="softmax_topk",
+                moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers)),
+                shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+                if arch == "Qwen2MoeForCausalLM" else 0)
 
 
 def read_config_json(folder: Path) -> dict[str, Any]:

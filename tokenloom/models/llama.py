@@ -1,6 +1,7 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/Phi-4-mini, SmolLM2): GQA, RoPE, RMSNorm, SwiGLU,
 optional qkv bias, optional per-head q/k RMSNorm (Qwen3), partial rotary and LongRoPE (Phi-3/Phi-4-mini, whose
-checkpoints hold qkv_proj and gate_up_proj already fused).
+checkpoints hold qkv_proj and gate_up_proj already fused), and mixture-of-experts MLPs (Mixtral, Qwen2-MoE,
+Qwen3-MoE: models/moe.py).
 
 Operates on a flat batch of tokens from many sequences, (T, hidden); attention reads and writes the
 paged KV cache through `AttentionMetadata`. q/k/v and gate/up are fused into single matmuls at load time.
@@ -8,6 +9,7 @@ paged KV cache through `AttentionMetadata`. q/k/v and gate/up are fused into sin
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from types import ModuleType
 
@@ -19,13 +21,14 @@ from tokenloom.attention.paged_kv import LayerKVCache
 from tokenloom.errors import ModelLoadError
 from tokenloom.models.config import ModelConfig
 from tokenloom.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
+from tokenloom.models.moe import SparseMoE
 
 KVCache = LayerKVCache  # one per layer
 CosSin = tuple[torch.Tensor, torch.Tensor]  # RoPE cos, sin per token: (T, 1, head_dim) each
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -35,7 +38,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = cfg.layer_window(layer)  # None: this layer attends to the whole context
         self.backend = backend
         self.kernels: ModuleType | None = None  # fused C++ RoPE when set (CPU)
 
@@ -54,12 +57,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, backend)
+        self.self_attn = LlamaAttention(cfg, backend, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        # Mixtral / Qwen2-MoE / Qwen3-MoE: a mixture of experts where the config says so (models/moe.py)
+        self.mlp: SwiGLU | SparseMoE = (SparseMoE(cfg) if cfg.layer_is_moe(layer)
+                                        else SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias))
 
     def forward(
         self,
@@ -82,7 +87,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, max_position)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -107,7 +112,7 @@ class LlamaForCausalLM(nn.Module):
         """Route norms, RoPE, SwiGLU and few-row matmuls through the C++ kernels (None: the torch ops)."""
         skinny = kernels if kernels is not None and kernels.skinny_available() else None
         for m in self.modules():
-            if isinstance(m, (RMSNorm, SwiGLU, LlamaAttention)):
+            if isinstance(m, (RMSNorm, SwiGLU, SparseMoE, LlamaAttention)):
                 m.kernels = kernels
             elif isinstance(m, Linear):
                 m.kernels = skinny
@@ -128,6 +133,11 @@ class LlamaForCausalLM(nn.Module):
             if name.startswith("model."):
                 name = name[len("model.") :]
             if "rotary_emb.inv_freq" in name:
+                continue
+            moe = _MOE_TENSOR.fullmatch(name)  # Mixtral's block_sparse_moe.*, Qwen's mlp.gate/experts/shared_expert
+            if moe is not None and isinstance(self.layers[int(moe.group(1))].mlp, SparseMoE):
+                block = self.layers[int(moe.group(1))].mlp
+                loaded.update(f"layers.{moe.group(1)}.mlp:{s}" for s in block.load_weight(moe.group(2), tensor))
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
@@ -155,13 +165,22 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
 
+_MOE_TENSOR = re.compile(r"layers\.(\d+)\.(?:block_sparse_moe|mlp)\."
+                         r"((?:gate|experts|shared_expert|shared_expert_gate)\..+)")
+
+
 def _expected_keys(
     model: LlamaForCausalLM, qkv: dict[str, tuple[int, int]], gate_up: dict[str, tuple[int, int]]
 ) -> set[str]:
     keys: set[str] = set()
+    for i, layer in enumerate(model.layers):
+        if isinstance(layer.mlp, SparseMoE):
+            keys.update(f"layers.{i}.mlp:{s}" for s in layer.mlp.expected_slots())
     for name, _ in model.named_parameters():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
+        if re.fullmatch(r"layers\.\d+\.mlp\.(gate\.weight|experts_gate_up|experts_down|shared_expert.*)", name):
+            continue  # a MoE block's: counted in its slots above
         table = qkv if ".qkv_proj." in name else gate_up if ".gate_up_proj." in name else None
         if table is None:
             keys.add(name)

@@ -23,11 +23,14 @@ from tokenloom.models.gguf import LOADABLE_DTYPES, config_from_gguf, state_dict_
 from tokenloom.models.gguf_file import read_gguf
 from tokenloom.models.gguf_kept import kept_layers
 from tokenloom.models.gguf_tokenizer import tokenizer_from_gguf
+from tokenloom.models.gemma import Gemma3ForCausalLM
 from tokenloom.models.llama import LlamaForCausalLM
 from tokenloom.quant.checkpoint import check_quantization_config, split_stored, stored_layers
 from tokenloom.tokenizer import Tokenizer
 
-MODEL_FAMILIES: dict[str, type[LlamaForCausalLM]] = {"llama": LlamaForCausalLM}
+# The model classes share one interface (forward, compute_logits, load_weights, set_kernels) and module paths.
+CausalLM = LlamaForCausalLM | Gemma3ForCausalLM
+MODEL_FAMILIES: dict[str, type[CausalLM]] = {"llama": LlamaForCausalLM, "gemma": Gemma3ForCausalLM}
 
 GGUF_WEIGHTS = get_args(GgufWeights)
 # The --dtype values other than auto, as torch dtypes.
@@ -36,7 +39,7 @@ DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in get_arg
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     config: ModelConfig
     tokenizer: Tokenizer
     name: str  # served model name
@@ -65,8 +68,10 @@ def load_model(
     gguf_weights: str = "keep",
 ) -> LoadedModel:
     """`path` None means the embedded default model. `max_position` sizes the RoPE table.
-    `gguf_weights` "keep": a GGUF's Q8_0/Q4_0/Q4_1 linear weights stay quantized (bfloat16 on CPU with
-    the quantized kernels built; otherwise, and with "dequantize", they are expanded to `dtype`).
+    `gguf_weights` "keep": a GGUF's linear weights of type Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q5_K/Q6_K stay
+    quantized, and so does its token table (a QuantEmbedding installed as `embed_tokens`, sharing the tied
+    LM head's blocks), all from models/gguf_kept.py (bfloat16 on CPU with the quantized kernels built;
+    otherwise, and with "dequantize", they are expanded to `dtype`).
     A folder written by `tokenloom quantize` loads its quantized layers from their stored codes."""
     start = time.perf_counter()
     p = default_model_path() if path is None else Path(path).expanduser()

@@ -23,8 +23,8 @@ from torch import nn
 
 from tokenloom.errors import ConfigError
 from tokenloom.kernels import load_quant_kernels
-from tokenloom.quant.layout import (int4_from_kernel, int4_scales_from_kernel, int4_scales_to_kernel, int4_to_kernel,
-                                    int8_from_kernel, int8_to_kernel, padded)
+from tokenloom.quant.layout import (BLOCK, int4_from_kernel, int4_scales_from_kernel, int4_scales_to_kernel,
+                                    int4_to_kernel, int8_from_kernel, int8_to_kernel, padded)
 from tokenloom.quant.quantizers import int4_group_size, quantize_int4, quantize_int8
 
 
@@ -96,6 +96,21 @@ class QuantLinear(nn.Module):
         """float32 oracle: the dequantized weight in F.linear."""
         return F.linear(x.float(), self.dequantize(), None if self.bias is None else self.bias.float())
 
+    def rows_params(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(T, K) codes and (T, G) scales and mins of the output channels `rows` (T,)."""
+        raise NotImplementedError
+
+    def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `rows` (T,) of the weight, (T, K) in `dtype`, decoding only those rows (a quantized
+        embedding's lookup: quant/embedding.py); equal to dequantize()[rows]."""
+        rows = rows.reshape(-1)
+        q, scales, mins = self.rows_params(rows)
+        g = self.group_size
+        w = q.float().reshape(rows.numel(), -1, g) * scales.float()[..., None]
+        if mins is not None:
+            w = w + mins.float()[..., None]
+        return w.reshape(rows.numel(), self.in_features).to(dtype)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
 
@@ -125,6 +140,10 @@ class Int8Linear(QuantLinear):
 
     def codes_as_int(self) -> torch.Tensor:
         return int8_from_kernel(self.codes, self.in_features)
+
+    def rows_params(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return (int8_from_kernel(self.codes.index_select(0, rows), self.in_features),
+                self.scales.index_select(0, rows), None)
 
 
 class Int4Linear(QuantLinear):
@@ -164,3 +183,21 @@ class Int4Linear(QuantLinear):
     def group_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         mins = self.mins
         return int4_scales_from_kernel(self.scales), None if mins is None else int4_scales_from_kernel(mins)
+
+    def rows_params(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        # Layout version 3 (quant/layout.py): channel c is channel j = c % 16 of block c // 16, whose r
+        # channels (16, or fewer in a last partial block) own r * Kp / 2 bytes: step s (inputs 8s..8s+7)
+        # at 4 r s, channel j's 4 bytes at 4 r s + 4 j; its scales and mins: group t at r t + j.
+        n, kp, groups = self.out_features, self.codes.shape[1] * 2, self.scales.shape[1]
+        full = n // BLOCK * BLOCK
+        r = torch.where(rows < full, BLOCK, n - full)  # (T,) channels in each row's block
+        start = rows - rows % BLOCK  # first channel of the block
+        j = rows - start
+        steps = torch.arange(kp // 8)
+        byte = (start * kp // 2)[:, None, None] + 4 * r[:, None, None] * steps[None, :, None] \
+            + 4 * j[:, None, None] + torch.arange(4)[None, None, :]  # (T, Kp/8, 4)
+        b = self.codes.reshape(-1)[byte]
+        q = torch.stack([b & 0x0F, b >> 4], dim=2).reshape(rows.numel(), kp)[:, :self.in_features]
+        at = (start * groups)[:, None] + r[:, None] * torch.arange(groups)[None, :] + j[:, None]  # (T, G)
+        mins = self.mins
+        return q, self.scales.reshape(-1)[at], None if mins is None else mins.reshape(-1)[at]

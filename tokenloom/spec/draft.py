@@ -49,9 +49,9 @@ class DraftModelProposer:
                 if j == 0:  # catch up to (and including) the last known token
                     start = s.num_computed_tokens if self.shares_target_cache else min(
                         s.spec.draft_num_computed, s.num_computed_tokens)
-                    entries.append(StepInput(s.token_ids[start:], start, s.block_ids, 1))
+                    entries.append(StepInput(s.token_ids[start:], start, s.block_ids, 1, self._groups(s)))
                 else:
-                    entries.append(StepInput([drafts[i][-1]], s.num_tokens - 1 + j, s.block_ids, 1))
+                    entries.append(StepInput([drafts[i][-1]], s.num_tokens - 1 + j, s.block_ids, 1, self._groups(s)))
             input_ids, positions, meta, _, token_idx = build_step(entries, self.runner.block_size, self.runner.device)
             logits = self.runner.forward(self.model, self.kv_caches, input_ids, positions, meta, token_idx)
             if logits is None:
@@ -64,6 +64,11 @@ class DraftModelProposer:
             s.spec.draft_probs = torch.stack(q) if q and not s.params.greedy else None
             # The draft's own cache now holds every position before its last draft token.
             s.spec.draft_num_computed = s.num_tokens - 1 + k
+
+    def _groups(self, s: Sequence) -> tuple[list[int], ...]:
+        """The block tables of the target's KV groups after the first, which the self-draft's layers may
+        belong to (a draft model of its own keeps every block of the first table: builder.py)."""
+        return tuple(s.block_tables[1:]) if self.shares_target_cache else ()
 
     def _pick(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
               probs: list[list[torch.Tensor]]) -> None:

@@ -17,6 +17,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ dequant(W).T (+ bias): bfloat16 x (M, K), int8 (N, Kp) or int4 (N, Kp/2) codes, float16 scales (N, G) "
         "and int4 mins (N, G), in the layout of tokenloom/quant/layout.py");
   m.def("quant_available", &quant_available, "whether the AVX512-BF16 + VNNI quantized matmuls were compiled in");
+  m.def("kquant_linear", &kquant_linear,
+        "x @ dequant(W).T (+ bias): bfloat16 x (M, K), W as its GGUF blocks (N, K / QK * type_size) uint8 of type "
+        "Q5_0 (6), Q4_K (12), Q5_K (13) or Q6_K (14); route 0 auto, 1 vnni, 2 avx512, 3 portable");
+  m.def("kquant_routes", &kquant_routes, "the kquant_linear routes compiled in, by name");
   m.def("limits", [] {
     pybind11::dict d;  // as tokenloom/kernels/limits.py SHARED, the values this build was compiled with
     d["SKINNY_MAX_ROWS"] = kSkinnyMaxRows;

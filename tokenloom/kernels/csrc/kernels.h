@@ -5,6 +5,8 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <string>
+#include <vector>
 #include <tuple>
 #include <utility>
 
@@ -68,5 +70,9 @@ bool skinny_available();
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias);
 bool quant_available();
+// kquant.cpp
+at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t route,
+                         const c10::optional<at::Tensor>& bias);
+std::vector<std::string> kquant_routes();
 // decode_stack.cpp
 void bind_decode_stack(pybind11::module_& m);

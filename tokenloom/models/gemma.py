@@ -1,0 +1,203 @@
+"""The Gemma family (Gemma 3 text, Gemma 2): the Llama skeleton with Gemma's differences.
+
+- Interleaved sliding-window ("local") and global layers (config.layer_types), each kind with its own RoPE
+  table: rope_local_theta without scaling for the local layers, rope_theta with rope_scaling for the global ones.
+- Four RMSNorms a layer, before and after attention and before and after the MLP; each scales by (1 + w),
+  computed in float32 and then cast (transformers' Gemma3RMSNorm), and q/k are normed per head (Gemma 3).
+- Embeddings scaled by sqrt(hidden), that factor rounded to the model dtype first (as transformers does).
+- GeGLU MLP (tanh-approximated GELU), attention scale query_pre_attn_scalar**-0.5, and optionally the final
+  logits soft-capped, cap * tanh(logits / cap) (Gemma 2).
+
+Module paths are the Llama family's (embed_tokens, layers.{i}.self_attn.qkv_proj / o_proj,
+layers.{i}.mlp.gate_up_proj / down_proj, norm, lm_head) so the GGUF kept-quantized loader (gguf_kept.py)
+and the engine treat both families alike. Operates on a flat batch of tokens, (T, hidden), like llama.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenloom.attention.base import AttentionBackend, AttentionMetadata
+from tokenloom.attention.paged_kv import LayerKVCache
+from tokenloom.errors import ModelLoadError
+from tokenloom.models.config import ModelConfig, RopeScaling
+from tokenloom.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
+
+CosSin = tuple[torch.Tensor, torch.Tensor]  # RoPE cos, sin per token: (T, 1, head_dim) each
+
+
+class GemmaRMSNorm(RMSNorm):
+    """RMSNorm scaling by (1 + w): normalized and scaled in float32, then cast (transformers' Gemma3RMSNorm;
+    the checkpoint stores w, centred on 0). Always the torch path: the C++ add_rms_norm scales by w in the
+    model dtype, and (1 + w) rounded to bfloat16 would lose w's low bits."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__(hidden_size, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.reference(x, residual)
+
+    def reference(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype), x
+
+
+class GeGLU(SwiGLU):
+    """down(gelu_tanh(gate(x)) * up(x)), gate and up fused into one matmul (SwiGLU's layout and weights)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, intermediate) each
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.sliding_window = cfg.layer_window(layer)  # None on the global layers
+        self.backend = backend
+        self.kernels: ModuleType | None = None  # fused C++ RoPE when set (CPU)
+
+    def forward(self, rope: CosSin, x: torch.Tensor, kv: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)[0]
+            k = self.k_norm(k)[0]
+        q, k = apply_rope(q, k, rope, self.kernels)
+        out = self.backend.forward(q, k, v, kv, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: int) -> None:
+        super().__init__()
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.self_attn = GemmaAttention(cfg, backend, layer)
+        self.mlp = GeGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.local = bool(cfg.layer_types) and cfg.layer_types[layer] == "sliding_attention"  # local RoPE base
+
+    def forward(
+        self,
+        rope: CosSin,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv: LayerKVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: what the previous block (attention or MLP) adds to the stream after its post-norm; residual: the
+        # stream without it (None at layer 0, where x is the embeddings). Each pre-norm first adds the two, so
+        # `residual` is then transformers' hidden_states. All (T, hidden).
+        h, residual = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(rope, h, kv, meta))[0]
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h))[0], residual
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """Gemma 3 text (and Gemma 2: no q/k norm, one RoPE table for both kinds of layer)."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_position)  # global layers
+        self.rotary_local = (RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta, RopeScaling(), max_position)
+                             if cfg.rope_local_theta is not None else None)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.requires_grad_(False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        kv_caches: list[LayerKVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, hidden) final hidden states
+        x = self.embed_tokens(input_ids)
+        # transformers rounds sqrt(hidden) to the weights' dtype before multiplying (25.3 -> 25.25 in bfloat16)
+        x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=torch.float32).to(x.dtype)
+        rope_global = self.rotary.lookup(positions, x.dtype)
+        rope_local = rope_global if self.rotary_local is None else self.rotary_local.lookup(positions, x.dtype)
+        residual: torch.Tensor | None = None
+        for layer, kv in zip(self.layers, kv_caches):
+            x, residual = layer(rope_local if layer.local else rope_global, x, residual, kv, meta)
+        return self.norm(x, residual)[0]
+
+    def set_kernels(self, kernels: ModuleType | None) -> None:
+        """Few-row matmuls and RoPE through the C++ kernels (None: the torch ops). The norms and GeGLU stay
+        on torch: the kernels have neither (1 + w) norms nor GELU."""
+        skinny = kernels if kernels is not None and kernels.skinny_available() else None
+        for m in self.modules():
+            if isinstance(m, GemmaAttention):
+                m.kernels = kernels
+            elif isinstance(m, Linear):
+                m.kernels = skinny
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) float32 logits, soft-capped in the model dtype as transformers does."""
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, packing q/k/v into qkv_proj and gate/up into gate_up_proj."""
+        params = dict(self.named_parameters())
+        a, inter = self.layers[0].self_attn, self.config.intermediate_size
+        packed = {"q_proj": ("qkv_proj", 0, a.q_size), "k_proj": ("qkv_proj", a.q_size, a.kv_size),
+                  "v_proj": ("qkv_proj", a.q_size + a.kv_size, a.kv_size),
+                  "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter)}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, rows = name, None
+            for part, (fused, start, size) in packed.items():
+                if f".{part}." in name:
+                    target, rows = name.replace(part, fused), (start, size)
+            if target not in params:
+                raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
+            dest = params[target].data if rows is None else params[target].data.narrow(0, *rows)
+            if dest.shape != tensor.shape:
+                raise ModelLoadError(f"tensor {name!r}: shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(target if rows is None else f"{target}:{rows[0]}")
+        expected: set[str] = set()
+        for name, _ in self.named_parameters():
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            fused_rows = [start for fused, start, _ in packed.values() if f".{fused}." in name]
+            expected.update([f"{name}:{s}" for s in fused_rows] if fused_rows else [name])
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
