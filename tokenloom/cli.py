@@ -167,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-n", type=int, default=128, help="the largest n (completions per request) accepted; "
                                                           "more get 400")
     srv.add_argument("--no-warmup", dest="warmup", action="store_false",
-                     help="skip the warm-up passes run before the server listens (prefill of a full step, decode at "
-                          "every batch size); the first requests then pay the one-off costs")
+                     help="skip the warm-up passes run before the server listens (a prefill of a full step, decode at "
+                          "batch sizes 1-8 and powers of two); the first requests then pay the one-off costs")
     srv.add_argument("--graceful-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     srv.add_argument("--max-request-bytes", type=int, default=8 << 20,
