@@ -112,6 +112,17 @@ def hf_greedy_ids(model: "torch.nn.Module", ids: list[int], n: int) -> tuple[lis
     return new, first
 
 
+def assert_matches_reference(outs: list, ref_ids: list[list[int]], ref_logprobs: list[torch.Tensor], atol: float) -> None:
+    """Engine outputs (greedy, logprobs=N) against transformers': identical ids, and each of the first token's
+    top logprobs within `atol` of the reference's log-softmax."""
+    assert [o.outputs[0].token_ids for o in outs] == ref_ids
+    for out, lp in zip(outs, ref_logprobs):
+        first = out.outputs[0].logprobs[0]
+        for tok, value in first.top.items():
+            assert abs(value - float(lp[tok])) < atol
+        assert abs(first.logprob - float(lp[first.token_id])) < atol
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import PROMPTS, hf_greedy_ids, make_tiny_model
+from conftest import PROMPTS, assert_matches_reference, hf_greedy_ids, make_tiny_model
 from tokenloom import LLM, SamplingParams
 from tokenloom.errors import UnsupportedArchitecture
 from tokenloom.models.config import ModelConfig
@@ -36,12 +36,7 @@ def check_parity(folder: Path, backend: str, hf_kwargs: dict[str, object] | None
     sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
     outs = llm.generate(prompts, sp)
     ref_ids, ref_lp = hf_greedy(folder, prompts, **(hf_kwargs or {}))
-    for out, ids, lp in zip(outs, ref_ids, ref_lp):
-        assert out.outputs[0].token_ids == ids
-        first = out.outputs[0].logprobs[0]
-        for tok, value in first.top.items():
-            assert abs(value - float(lp[tok])) < LOGPROB_ATOL
-        assert abs(first.logprob - float(lp[first.token_id])) < LOGPROB_ATOL
+    assert_matches_reference(outs, ref_ids, ref_lp, LOGPROB_ATOL)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "sdpa", "reference"])

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import PROMPTS, build_tokenizer
+from conftest import PROMPTS, assert_matches_reference, build_tokenizer
 from test_models import LOGPROB_ATOL, MAX_NEW, hf_greedy
 from test_qwen3 import _prefill_logits
 from tokenloom import LLM, SamplingParams
@@ -132,12 +132,7 @@ def test_engine_greedy_matches_transformers_with_preemption(tiny_moe: tuple[str,
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5))
     assert llm.engine.scheduler.num_preemptions > 0
     ref_ids, ref_lp = hf_greedy(folder, prompts)
-    assert [o.outputs[0].token_ids for o in outs] == ref_ids
-    for out, lp in zip(outs, ref_lp):
-        first = out.outputs[0].logprobs[0]
-        for tok, value in first.top.items():
-            assert abs(value - float(lp[tok])) < LOGPROB_ATOL
-        assert abs(first.logprob - float(lp[first.token_id])) < LOGPROB_ATOL
+    assert_matches_reference(outs, ref_ids, ref_lp, LOGPROB_ATOL)
     llm.engine.kv.pool.check_invariants()
 
 
