@@ -233,3 +233,25 @@ def test_gemma_merges_equal_transformers_generate_merges() -> None:
               "aa", "aaa", "aaaa", "▁abc", "cc"]
     want = generate_merges({t: i for i, t in enumerate(tokens)}, {t: -i for i, t in enumerate(tokens)})
     assert _merges_by_position(tokens) == want and len(want) > len(tokens)
+
+
+def test_gemma_norm_equals_its_reference_and_follows_weight_changes() -> None:
+    """The fused rms_norm path gives the reference's values (bfloat16 and float32, with and without the residual
+    add), and a weight changed after a call is picked up once refresh_scale() rebuilds the cached (1 + w)."""
+    from tokenloom.models.gemma import GemmaRMSNorm
+
+    torch.manual_seed(0)
+    norm = GemmaRMSNorm(96, 1e-6)
+    norm.weight.data.normal_(0, 0.3)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, r = torch.randn(5, 96).to(dtype), torch.randn(5, 96).to(dtype)
+        for residual in (None, r):
+            got, got_res = norm(x, residual)
+            want, want_res = norm.reference(x, residual)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6 if dtype == torch.float32 else 0)
+            assert torch.equal(got_res, want_res)
+    x = torch.randn(3, 96)
+    norm(x)
+    norm.weight.data.add_(1.0)
+    norm.refresh_scale()
+    torch.testing.assert_close(norm(x)[0], norm.reference(x)[0], rtol=0, atol=1e-6)
