@@ -22,6 +22,9 @@ bytes read per second.
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +45,6 @@ def torch_int4(w: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def decode_step(repeats: int = 5, steps: int = 20) -> None:
-    import statistics
-    import time
-
     from tokenloom.kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels()
@@ -68,19 +68,25 @@ def decode_step(repeats: int = 5, steps: int = 20) -> None:
             for fn, x in calls:
                 fn(x)
 
-        for _ in range(3):
+        _report_step(label, 10, step, nbytes, repeats, steps)
+
+
+def _report_step(label: str, width: int, step: Callable[[], None], nbytes: int, repeats: int, steps: int) -> None:
+    """Time `step` (3 warm-up calls, then `repeats` runs of `steps` calls; the median of run medians) and print
+    it with the bandwidth its `nbytes` of weights imply."""
+    for _ in range(3):
+        step()
+    runs = []
+    for _ in range(repeats):
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
             step()
-        runs = []
-        for _ in range(repeats):
-            times = []
-            for _ in range(steps):
-                t = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t)
-            runs.append(statistics.median(times))
-        med = statistics.median(runs)
-        print(f"{label:10s} {med * 1e3:6.3f} ms per step ({', '.join(f'{r * 1e3:.2f}' for r in runs)}), "
-              f"{nbytes / 1e6:5.1f} MB -> {nbytes / med / 1e9:5.1f} GB/s")
+            times.append(time.perf_counter() - t)
+        runs.append(statistics.median(times))
+    med = statistics.median(runs)
+    print(f"{label:{width}s} {med * 1e3:6.3f} ms per step ({', '.join(f'{r * 1e3:.2f}' for r in runs)}), "
+          f"{nbytes / 1e6:5.1f} MB -> {nbytes / med / 1e9:5.1f} GB/s")
 
 
 def _sized(layer: Int8Linear | Int4Linear) -> tuple[object, int]:
@@ -152,9 +158,6 @@ def _q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gguf_decode_step(repeats: int = 5, steps: int = 20) -> None:
-    import statistics
-    import time
-
     from tokenloom.kernels import load_cpu_kernels
     from tokenloom.quant.kquant import KQuantLinear
 
@@ -190,19 +193,7 @@ def gguf_decode_step(repeats: int = 5, steps: int = 20) -> None:
             for fn in calls:
                 fn()
 
-        for _ in range(3):
-            step()
-        runs = []
-        for _ in range(repeats):
-            times = []
-            for _ in range(steps):
-                t = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t)
-            runs.append(statistics.median(times))
-        med = statistics.median(runs)
-        print(f"{label:12s} {med * 1e3:6.3f} ms per step ({', '.join(f'{r * 1e3:.2f}' for r in runs)}), "
-              f"{nbytes / 1e6:5.1f} MB -> {nbytes / med / 1e9:5.1f} GB/s")
+        _report_step(label, 12, step, nbytes, repeats, steps)
 
 
 def main() -> None:
