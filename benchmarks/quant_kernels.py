@@ -95,7 +95,7 @@ def _sized(layer: Int8Linear | Int4Linear) -> tuple[object, int]:
     if kernels is None:
         raise SystemExit("--decode-step needs the quantized kernels (AVX512-BF16 and VNNI)")
     nbytes = sum(t.numel() * t.element_size() for t in (layer.codes, layer.scales, layer.mins) if t is not None)
-    return (lambda x: kernels.quant_linear(x, layer.codes, layer.scales, layer.mins, layer.bits, None)), nbytes
+    return (lambda x: kernels.quant_linear(x, layer.codes, layer.scales, layer.mins, layer.bits, None, 0)), nbytes
 
 
 # Gemma 3 270M: (N, K) per linear, and the types its Q4_K_M file uses there (ffn_down: Q6_K or Q4_K)

@@ -52,14 +52,14 @@ def test_int4_group_size_falls_back_where_128_does_not_divide() -> None:
         int4_group_size(100, 128)
 
 
-ROWS = [1, 3, 8, 9, 37, 64]  # the few-row kernel (<= 8) and the expanded-tile kernel (> 8)
+ROWS = [1, 3, 8, 9, 37, 64]  # the few-row kernels (<= 8) and the tiles of csrc/qtile.h (> 8; auto route)
 
 
 def _check(lin: Int8Linear | Int4Linear, rows: int) -> None:
     x = torch.randn(rows, lin.in_features).bfloat16()
     want = lin.reference(x)
     got = lin(x).float()
-    # bf16 output rounding (2^-9 relative) dominates; the tile path also rounds grouped weights to bf16.
+    # bf16 output rounding (2^-9 relative) dominates; the expand path also rounds grouped weights to bf16.
     scale = want.abs().amax().item()
     torch.testing.assert_close(got, want, rtol=8e-3, atol=8e-3 * scale)
 
@@ -84,8 +84,8 @@ def test_int4_linear_matches_its_dequantized_reference(rows: int, shape: tuple[i
 
 @pytest.mark.parametrize("kind", ["int8", "int4 g32", "int8 per 32"])
 def test_many_rows_expand_a_big_layer_in_pieces(kind: str) -> None:
-    """From 16 rows the kernel expands W to bf16 at most 16 MiB at a time for oneDNN: a 16,400 x 576 layer
-    (18.9 MB in bf16, like a big LM head) goes in two pieces, the second one partial, bias included."""
+    """The expand route turns W to bf16 at most 16 MiB at a time for oneDNN: a 16,400 x 576 layer (18.9 MB
+    in bf16, like a big LM head) goes in two pieces, the second one partial, bias included."""
     torch.manual_seed(4)
     n, k = 16_400, 576
     if kind == "int8 per 32":
@@ -95,6 +95,7 @@ def test_many_rows_expand_a_big_layer_in_pieces(kind: str) -> None:
     else:
         dense = _linear(n, k, bias=True)
         lin = Int8Linear.from_linear(dense) if kind == "int8" else Int4Linear.from_linear(dense, 32)
+    lin.route = "expand"
     _check(lin, 16)
     _check(lin, 40)
 

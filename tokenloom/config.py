@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from tokenloom.errors import ConfigError
+from tokenloom.kernels.limits import SKINNY_MAX_ROWS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
@@ -99,6 +100,9 @@ class EngineConfig:
     prepack_weights: bool = True
     quantization: Quantization | None = None  # None: full-precision weights
     quant_group_size: int = 128  # int4 group size (a smaller supported one where it does not divide a layer)
+    # Quantized matmuls (CPU): int8-activation VNNI kernels up to this many rows of x, the weight expanded to
+    # bf16 for oneDNN beyond; None = measured at start-up (quant/routing.py).
+    quant_tile_max_rows: int | None = None
     gguf_weights: GgufWeights = "keep"  # keep: GGUF Q8_0/Q4_0/Q4_1 linear weights stay quantized (bf16, CPU)
     kv_cache_dtype: KVCacheDtype = "auto"  # int8: codes and float16 scales
     # int8 scales: head (one per layer and head, calibrated at start-up: 2x the tokens of 16 bits) |
@@ -138,6 +142,10 @@ class EngineConfig:
         self._check_speculative()
         if self.quant_group_size not in INT4_GROUP_SIZES:
             raise ConfigError(f"--quant-group-size must be {one_of(INT4_GROUP_SIZES)}, got {self.quant_group_size!r}")
+        if self.quant_tile_max_rows is not None and (not isinstance(self.quant_tile_max_rows, int)
+                                                     or self.quant_tile_max_rows < SKINNY_MAX_ROWS):
+            raise ConfigError(f"--quant-tile-max-rows must be an integer >= {SKINNY_MAX_ROWS}, got "
+                              f"{self.quant_tile_max_rows!r}")
 
     def _check_speculative(self) -> None:
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:

@@ -28,7 +28,9 @@ from tokenloom.errors import ConfigError
 from tokenloom.models.layers import PACKED_MAX_ROWS, prepack_available, prepackable
 from tokenloom.models.llama import LlamaForCausalLM
 from tokenloom.models.loader import LoadedModel, load_model
-from tokenloom.quant.weight_only import quantize_model
+from tokenloom.quant.kquant import KQuantLinear
+from tokenloom.quant.routing import choose as choose_quant_routing
+from tokenloom.quant.weight_only import QuantLinear, quantize_model
 from tokenloom.spec.draft import DraftModelProposer
 from tokenloom.spec.ngram import NgramProposer
 
@@ -126,6 +128,9 @@ def _attach_cpu_kernels(config: EngineConfig, loaded: LoadedModel, backend: Atte
     if isinstance(backend, CPUBackend):
         loaded.model.set_kernels(backend.kernels)
         _prepack(config, loaded, device)
+        if hasattr(backend.kernels, "set_quant_tile_max_rows") and any(
+                isinstance(m, (QuantLinear, KQuantLinear)) for m in loaded.model.modules()):
+            choose_quant_routing(backend.kernels, config.quant_tile_max_rows)
 
 
 def _prepack(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:

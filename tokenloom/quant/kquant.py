@@ -7,9 +7,10 @@ of the same storage. K-quant blocks are kept as they are; Q5_0 rows are repacked
 compiled kernels each call dequantizes to bfloat16 and calls F.linear. `reference()` (the dequantized float32 weight in F.linear) is the test oracle; the
 dequantization is models/gguf_quants.py, bit-identical to gguf.quants.
 
-Routes (`route`): "auto" lets the kernel choose from the CPU's features and the row count; "vnni" (int8
-activations, the weight read once per 8 rows of x), "avx512" and "portable" (the weight expanded to bf16,
-then oneDNN) force one, and "torch" forces the Python fallback. `kernel_routes()` lists those this build
+Routes (`route`): "auto" lets the kernel choose from the CPU's features, the row count and quant/routing.py's
+start-up choice; "vnni" (int8 activations: the weight read once per call, dotted with up to 8 rows of x
+per row of W, or decoded 16 rows of W at a time into cache-resident tiles for more rows of x), "avx512" and
+"portable" (the weight expanded to bf16, then oneDNN) force one, and "torch" forces the Python fallback. `kernel_routes()` lists those this build
 has; every route computes the same product, so tests force each on any row count.
 """
 

@@ -11,6 +11,11 @@ The `codes` buffer is in the kernels' layout (quant/layout.py: (N, Kp) int8 or (
 padded to 64), and so are int4's `scales` and `mins` (blocked by 16 output channels); `from_codes` takes
 plain (N, K) codes and (N, G) scales. `reference()` dequantizes to float32 and calls F.linear: the test
 oracle.
+
+Routes (`route`): "auto" lets the kernel choose from the row count and quant/routing.py's start-up choice
+(VNNI up to `quant_tile_max_rows` rows, then the weight expanded to bf16 for oneDNN); "vnni" and "expand"
+force one of the two at any row count, "torch" forces the Python fallback. Every route computes the same
+product to the same tolerance, so tests force each on any CPU that has the kernels.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from tokenloom.kernels import load_quant_kernels
 from tokenloom.quant.layout import (BLOCK, int4_from_kernel, int4_scales_from_kernel, int4_scales_to_kernel,
                                     int4_to_kernel, int8_from_kernel, int8_to_kernel, padded)
 from tokenloom.quant.quantizers import int4_group_size, quantize_int4, quantize_int8
+
+_KERNEL_ROUTES = {"auto": 0, "vnni": 1, "expand": 2}
+ROUTES = (*_KERNEL_ROUTES, "torch")
 
 
 class QuantLinear(nn.Module):
@@ -50,6 +58,18 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", scales.to(torch.float16).contiguous())
         self.register_buffer("mins", None if mins is None else mins.to(torch.float16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16).contiguous())
+        self.route = "auto"
+
+    @property
+    def route(self) -> str:
+        return self._route
+
+    @route.setter
+    def route(self, value: str) -> None:
+        if value not in ROUTES:
+            raise ConfigError(f"quantized layer route must be one of {', '.join(ROUTES)}, got {value!r}")
+        self._route = value
+        self._route_id = _KERNEL_ROUTES.get(value, -1)
 
     @classmethod
     def kernel_module(cls) -> ModuleType | None:
@@ -61,15 +81,15 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The common case first and lean: a decode step calls this ~120 times.
-        if x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_cpu:
+        if x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_cpu and self._route_id >= 0:
             k = self.kernel_module()
             if k is not None:
-                return k.quant_linear(x, self.codes, self.scales, self.mins, self.bits, self.bias)
+                return k.quant_linear(x, self.codes, self.scales, self.mins, self.bits, self.bias, self._route_id)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(self.dtype)
-        k = self.kernel_module() if x2.is_cpu else None
+        k = self.kernel_module() if x2.is_cpu and self._route_id >= 0 else None
         if k is not None:
-            y = k.quant_linear(x2, self.codes, self.scales, self.mins, self.bits, self.bias)
+            y = k.quant_linear(x2, self.codes, self.scales, self.mins, self.bits, self.bias, self._route_id)
         else:
             y = F.linear(x2, self.dequantize().to(self.dtype), self.bias)
         return y.reshape(*shape[:-1], self.out_features)

@@ -15,7 +15,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_available", &skinny_available, "whether skinny_linear has its AVX512-BF16 fast path");
   m.def("quant_linear", &quant_linear,
         "x @ dequant(W).T (+ bias): bfloat16 x (M, K), int8 (N, Kp) or int4 (N, Kp/2) codes, float16 scales (N, G) "
-        "and int4 mins (N, G), in the layout of tokenloom/quant/layout.py");
+        "and int4 mins (N, G), in the layout of tokenloom/quant/layout.py; route 0 auto, 1 vnni, 2 expand (bf16 + oneDNN)");
+  m.def("quant_tile_max_rows", &quant_tile_max_rows, "rows of x up to which the auto routes of quant_linear and "
+        "kquant_linear take the VNNI kernels (W expanded to bf16 for oneDNN beyond)");
+  m.def("set_quant_tile_max_rows", &set_quant_tile_max_rows, "set quant_tile_max_rows (at least SKINNY_MAX_ROWS)");
   m.def("quant_available", &quant_available, "whether the AVX512-BF16 + VNNI quantized matmuls were compiled in");
   m.def("kquant_linear", &kquant_linear,
         "x @ dequant(W).T (+ bias): bfloat16 x (M, K), W as its GGUF blocks (N, K / QK * type_size) uint8 of type "

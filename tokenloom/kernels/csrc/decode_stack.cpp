@@ -57,7 +57,7 @@ struct FusedLinear {
   }
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (bits != 16) return quant_linear(x, weight, *scales, mins, bits, bias);
+    if (bits != 16) return quant_linear(x, weight, *scales, mins, bits, bias, /*route=*/0);
     // The choice Linear.forward makes: packed for 2..kPackedMaxRows rows; skinny for 1 (for up to
     // kSkinnyMaxRows without packed).
     if (packed.has_value() && x.size(0) >= 2 && x.size(0) <= kPackedMaxRows) return packed_linear(x, *packed, bias);

@@ -68,8 +68,13 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
 bool skinny_available();
 // quant_gemm.cpp
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias);
+                        const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias,
+                        int64_t route);
 bool quant_available();
+// The auto routes of quant_linear and kquant_linear: VNNI (few rows, then qtile.h's tiles) up to this many
+// rows of x, W expanded to bf16 for oneDNN beyond.
+int64_t quant_tile_max_rows();
+void set_quant_tile_max_rows(int64_t rows);
 // kquant.cpp
 at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t route,
                          const c10::optional<at::Tensor>& bias);

@@ -23,18 +23,22 @@
 //     bit j of qh element j's fifth bit. Stored as planes: row = d[nb] | qh[nb] | qs[nb] (nb = K / 32)
 //
 // Routes (kquant_routes() lists those compiled in; `route` forces one, for tests and benchmarks):
-//   1 "vnni"     few rows (decode, speculative verification), AVX512-VNNI: each weight byte read once per
-//                kSkinnyMaxRows rows of x and dotted with all of them. x is quantized like llama.cpp's Q8_0
+//   1 "vnni"     AVX512-VNNI. Up to kSkinnyMaxRows rows (decode, speculative verification): each weight byte
+//                read once and dotted with all M rows of x, per row of W. x is quantized like llama.cpp's Q8_0
 //                activations: int8 per 32 inputs, xq = round(x / dx), dx = max |x| / 127, so that one
 //                vpdpbusd multiplies 64 codes by 64 xq. The K-quants' integer sub-block scales multiply the
 //                int32 lane sums (vpmulld); zero points (Q6_K's 32, Q4_K/Q5_K's mins) multiply x's sums per
 //                16 inputs, Q5_0's 16 starts the dot product from -16 times x's sums per 4.
+//                More rows (batched decode and verification): qtile.h, 16 rows of W decoded by the same
+//                decoders into a cache-resident tile of 16 channels per vpdpbusd lane, dotted with all M
+//                rows of x 8 at a time (no vpmulld: the sub-block scales apply once per 16 or 32 inputs).
 //   2 "avx512"   the weight decoded to bfloat16 (the same AVX-512 decoders, d sc q - m rounded to bf16 once),
 //                kExpandBytes at a time, then one oneDNN matmul (at::linear) over all M rows: prefill chunks
 //                and large decode batches, where the expansion is paid once for many rows.
 //   3 "portable" as 2 with a plain C++ decoder: any CPU.
-//   0 auto: 1 when M <= kVnniMaxRows and the CPU has AVX512-VNNI (as compiled: -march=native,
-//     i.e. the build machine's features, whatever its vendor), else 2 where it has AVX512-BW/DQ/VL and F16C,
+//   0 auto: 1 when M <= quant_tile_max_rows() (quant_gemm.cpp: chosen for the CPU, set from Python) and the
+//     CPU has AVX512-VNNI (as compiled: -march=native, i.e. the build machine's features, whatever its
+//     vendor), else 2 where it has AVX512-BW/DQ/VL and F16C,
 //     else 3.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -48,6 +52,7 @@
 #include "avx512.h"
 #define TOKENLOOM_KQ_AVX512 1
 #if defined(__AVX512VNNI__)
+#include "qtile.h"
 #define TOKENLOOM_KQ_VNNI 1
 #endif
 #endif
@@ -65,10 +70,6 @@ enum QType : int64_t { kQ5_0 = 6, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };  // ggml
 enum Route : int64_t { kAuto = 0, kVnni = 1, kAvx512 = 2, kPortable = 3 };
 
 constexpr int64_t kExpandBytes = int64_t{16} << 20;  // bf16 weight expanded per oneDNN call (as quant_gemm.cpp)
-// Up to this many rows the auto route takes the vnni kernel. Forced, it serves more rows kSkinnyMaxRows at a
-// time (W read once per pass), but from 16 rows expanding W to bf16 for oneDNN was as fast or faster on
-// Gemma 3's shapes (benchmarks/quant_kernels.py --gguf-types, 2-core Zen 4).
-constexpr int64_t kVnniMaxRows = kSkinnyMaxRows;
 
 struct TypeInfo {
   int64_t qk, type_size;
@@ -493,6 +494,97 @@ void skinny_kquant(int64_t qtype, const uint8_t* blocks, int64_t row_bytes, int6
   });
 }
 
+// --- many rows: qtile.h's tiles ----------------------------------------------------------------------------
+
+// The rows [n0, n0 + r) of W -> a qtile tile: each 64 inputs' codes of the 16 rows, decoded as above,
+// transposed to steps of 4 inputs x 16 channels; the sub-block scales and zero points made float
+// (Q4_K / Q5_K: d sc and -dmin m per 32 inputs; Q6_K: d sc and -32 d sc per 16; Q5_0: d and -16 d per 32).
+template <int64_t QT>
+qtile::Tile fill_kquant(const uint8_t* blocks, int64_t row_bytes, int64_t N, int64_t K, int64_t n0, int64_t r,
+                        uint8_t* codes, float* scale, float* zp) {
+  constexpr int64_t C = qtile::kCh;
+  for (int64_t j = 0; j < C && n0 + C + j < N; ++j) qtile::prefetch_l2(blocks + (n0 + C + j) * row_bytes, row_bytes);
+  if constexpr (QT == kQ5_0) {
+    const int64_t nb = K / 32;
+    for (int64_t b = 0; b < nb; b += 2) {
+      __m512i v[16];
+      for (int64_t j = 0; j < C; ++j) {
+        const uint8_t* row = blocks + (n0 + j) * row_bytes;
+        v[j] = j >= r ? _mm512_setzero_si512()
+             : b + 1 < nb ? codes_q50_pair(row + 6 * nb + 16 * b, row + 2 * nb + 4 * b)
+                          : _mm512_zextsi256_si512(codes_q50_block(row + 6 * nb + 16 * b, row + 2 * nb + 4 * b));
+      }
+      qtile::transpose16(v);
+      for (int l = 0; l < 16; ++l) _mm512_storeu_si512(codes + (b / 2 * 16 + l) * 64, v[l]);
+    }
+    for (int64_t j = 0; j < C; ++j)
+      for (int64_t t = 0; t < nb; ++t) {
+        const float d = j < r ? f16_at(blocks + (n0 + j) * row_bytes + 2 * t) : 0.f;
+        scale[t * C + j] = d;
+        zp[t * C + j] = -16.f * d;
+      }
+  } else {
+    constexpr int64_t subs = QT == kQ6_K ? 16 : 8;  // scale groups per superblock
+    const int64_t type_size = QT == kQ6_K ? 210 : QT == kQ5_K ? 176 : 144;
+    for (int64_t i = 0; i < K / 256; ++i) {
+      __m512i u[16][4];
+      for (int64_t j = 0; j < C; ++j) {
+        float* sc_j = scale + i * subs * C + j;
+        float* zp_j = zp + i * subs * C + j;
+        if (j >= r) {
+          for (int v = 0; v < 4; ++v) u[j][v] = _mm512_setzero_si512();
+          for (int t = 0; t < subs; ++t) sc_j[t * C] = zp_j[t * C] = 0.f;
+          continue;
+        }
+        const uint8_t* p = blocks + (n0 + j) * row_bytes + i * type_size;
+        if constexpr (QT == kQ6_K) {
+          codes_q6k(p, u[j]);
+          const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+          const float d = f16_at(p + 208);
+          for (int t = 0; t < 16; ++t) {
+            sc_j[t * C] = d * static_cast<float>(sc[t]);
+            zp_j[t * C] = -32.f * sc_j[t * C];
+          }
+        } else {
+          uint8_t sm[16];
+          k4_scales(p + 4, sm);
+          const float d = f16_at(p), dmin = f16_at(p + 2);
+          for (int t = 0; t < 8; ++t) {
+            sc_j[t * C] = d * static_cast<float>(sm[t]);
+            zp_j[t * C] = -dmin * static_cast<float>(sm[8 + t]);
+          }
+          if constexpr (QT == kQ4_K) codes_k4(p + 16, u[j]);
+          else codes_k5(p + 16, p + 48, u[j]);
+        }
+      }
+      for (int v = 0; v < 4; ++v) {
+        __m512i col[16];
+        for (int j = 0; j < 16; ++j) col[j] = u[j][v];
+        qtile::transpose16(col);
+        for (int l = 0; l < 16; ++l) _mm512_storeu_si512(codes + (i * 64 + 16 * v + l) * 64, col[l]);
+      }
+    }
+  }
+  return {codes, scale, zp};
+}
+
+at::Tensor tile_kquant(int64_t qtype, const at::Tensor& x, const uint8_t* blocks, int64_t row_bytes, int64_t N,
+                       int64_t K, const c10::BFloat16* bias) {
+  const int64_t gs = qtype == kQ6_K ? 16 : 32;
+  const qtile::Shape s{N, K, (K + 63) / 64 * 64, gs, K / gs};
+  auto run = [&]<int64_t QT>() {
+    return qtile::linear(x, s, bias, [&](int64_t n0, int64_t r, uint8_t* codes, float* scale, float* zp) {
+      return fill_kquant<QT>(blocks, row_bytes, N, K, n0, r, codes, scale, zp);
+    });
+  };
+  switch (qtype) {
+    case kQ4_K: return run.template operator()<kQ4_K>();
+    case kQ5_K: return run.template operator()<kQ5_K>();
+    case kQ6_K: return run.template operator()<kQ6_K>();
+    default: return run.template operator()<kQ5_0>();
+  }
+}
+
 #endif  // TOKENLOOM_KQ_VNNI
 
 template <typename T>
@@ -572,28 +664,24 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   }
   if (M == 0 || N == 0) return at::empty({M, N}, x.options());
   if (route == kAuto)
-    route = route_compiled(kVnni) && M <= kVnniMaxRows ? kVnni : route_compiled(kAvx512) ? kAvx512 : kPortable;
+    route = route_compiled(kVnni) && M <= quant_tile_max_rows() ? kVnni : route_compiled(kAvx512) ? kAvx512 : kPortable;
   const at::Tensor xc = x.contiguous();
   const auto* wb = blocks.data_ptr<uint8_t>();
   if (route != kVnni) return expanded(qtype, xc, wb, blocks.size(1), N, K, bias, route == kAvx512);
 #ifdef TOKENLOOM_KQ_VNNI
+  if (M > kSkinnyMaxRows) return tile_kquant(qtype, xc, wb, blocks.size(1), N, K, b);
   const int64_t Kp = (K + 63) / 64 * 64;
   thread_local std::vector<int8_t> xq_buf;
   thread_local std::vector<float> dl_buf, s_buf;
   thread_local std::vector<int32_t> corr_buf;
-  const int64_t rows = std::min(M, kSkinnyMaxRows);  // more rows: kSkinnyMaxRows at a time
-  int8_t* xq = scratch(xq_buf, rows * Kp);
-  float* dl = scratch(dl_buf, rows * Kp / 4);
-  float* s16 = scratch(s_buf, rows * Kp / 16);
-  int32_t* corr = scratch(corr_buf, rows * Kp / 4);
+  int8_t* xq = scratch(xq_buf, M * Kp);
+  float* dl = scratch(dl_buf, M * Kp / 4);
+  float* s16 = scratch(s_buf, M * Kp / 16);
+  int32_t* corr = scratch(corr_buf, M * Kp / 4);
   at::Tensor y = at::empty({M, N}, x.options());
-  for (int64_t m0 = 0; m0 < M; m0 += kSkinnyMaxRows) {
-    const int64_t r = std::min(kSkinnyMaxRows, M - m0);
-    quantize_x(xc.data_ptr<c10::BFloat16>() + m0 * K, r, K, Kp, xq, dl, s16, corr);
-    const XQ xqs{xq, dl, s16, corr, Kp};
-    auto* yp = y.data_ptr<c10::BFloat16>() + m0 * N;
-    with_rows(r, [&]<int R>() { skinny_kquant<R>(qtype, wb, blocks.size(1), N, K, xqs, b, yp); });
-  }
+  quantize_x(xc.data_ptr<c10::BFloat16>(), M, K, Kp, xq, dl, s16, corr);
+  const XQ xqs{xq, dl, s16, corr, Kp};
+  with_rows(M, [&]<int R>() { skinny_kquant<R>(qtype, wb, blocks.size(1), N, K, xqs, b, y.data_ptr<c10::BFloat16>()); });
   return y;
 #else
   (void)b;

@@ -14,21 +14,22 @@
 //     and 8s+4..8s+7 (high), so vpdpbusd's int32 lane j accumulates channel j: no horizontal sums, and a
 //     group's scales and mins (stored blocked too: r consecutive values per group) are one vector load.
 //
-// Two paths:
+// Three paths (route 0 "auto" chooses; 1 "vnni" forces the first two, 2 "expand" the third, for tests):
 //   M <= kSkinnyMaxRows (8; decode, speculative verification): each weight byte is read once and dotted with all M rows
 //     of x, the codes never expanded. x is quantized like llama.cpp's Q8 activations: int8 per 32 inputs
 //     (int8: per 64-input chunk), xq = round(x / dx) with dx = max |x| / 127, so that vpdpbusd multiplies
 //     64 codes by 64 xq per instruction; int4's zero point adds m times the group's sum of dx xq.
 //     Weights are prefetched in software: hardware prefetchers stop at 4 KiB pages. (Quantizing x takes
 //     far fewer instructions than widening the codes to bf16: docs/performance-notes.md#quantized-matmul.)
-//   M > kSkinnyMaxRows (prefill, large decode batches): the weight is expanded to bf16 (int8 per channel: the codes,
-//     exact, the scale applied to each dot product; grouped: d q + m rounded to bf16 once) and dotted
-//     with x exact in bf16:
-//     - M < kExpandMinRows: a tile of 32 output channels at a time, in a thread-local buffer, by a 4x4
-//       register-blocked vdpbf16ps kernel that reuses it for all M rows;
-//     - M >= kExpandMinRows: up to 16 MiB of W at once (all of a SmolLM2 layer), in a reused buffer,
-//       then one oneDNN matmul over all M rows (at::linear: AMX where the CPU has it), which outruns the
-//       tile kernel once enough rows pay for the expansion (docs/performance-notes.md#quantized-matmul).
+//   kSkinnyMaxRows < M <= quant_tile_max_rows() (batched decode, verification, small prefill chunks): qtile.h,
+//     16 output channels at a time decoded into a cache-resident tile of 8-bit codes (int4: read in
+//     place) and dotted with all M rows by vpdpbusd, 8 rows per pass: W read from memory once per call.
+//   M > quant_tile_max_rows() (prefill): the weight is expanded to bf16 (int8 per channel: the codes, exact,
+//     the scale applied to each dot product; grouped: d q + m rounded to bf16 once), up to 16 MiB of it at
+//     once (all of a SmolLM2 layer) in a reused buffer, then one oneDNN matmul over all M rows (at::linear:
+//     AMX where the CPU has it), which outruns the VNNI tiles once enough rows pay for the expansion.
+// quant_tile_max_rows() is chosen for the CPU when the module loads (see its definition) and can be set
+// from Python (tokenloom/quant/routing.py), which logs the choice at start-up.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -39,17 +40,18 @@
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__)
 #include "avx512.h"
+#include "qtile.h"
 #define TOKENLOOM_QGEMM 1
 #endif
+
+#include <atomic>
 
 #include "dtype.h"
 #include "kernels.h"
 
 namespace {
 
-constexpr int64_t kTile = 32;  // output channels expanded per tile on the many-row path
-// From this many rows the many-row path expands W (kExpandBytes at a time) for oneDNN (see the header).
-constexpr int64_t kExpandMinRows = 16;
+enum Route : int64_t { kAuto = 0, kVnni = 1, kExpand = 2 };
 constexpr int64_t kExpandBytes = int64_t{16} << 20;  // bf16 weight expanded per oneDNN call on that path
 constexpr int64_t kBlock = kInt4Block;  // int4 output channels per block (16)
 constexpr int64_t kPrefetchSteps = 4;  // int8 prefetch distance, in steps of NR rows
@@ -400,23 +402,6 @@ void expand_block_int4(const QWeight& w, int64_t n0, int64_t Kp, c10::BFloat16* 
     std::fill(dst + j * Kp + w.K, dst + (j + 1) * Kp, c10::BFloat16(0.f));
 }
 
-// out[r][0..3] = dot(x[r], wt[0..3]) for RB rows of x and 4 expanded weight rows; both (., Kp).
-template <int RB>
-inline void micro(const c10::BFloat16* x, const c10::BFloat16* wt, int64_t Kp, float out[][4]) {
-  __m512 acc[RB][4];
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < Kp; k += 32) {
-    __m512i wv[4];
-    for (int c = 0; c < 4; ++c) wv[c] = _mm512_loadu_si512(wt + c * Kp + k);
-    for (int r = 0; r < RB; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * Kp + k);
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, (__m512bh)wv[c]);
-    }
-  }
-  for (int r = 0; r < RB; ++r) _mm_storeu_ps(out[r], hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-}
-
 // Rows [n0, n0 + nc) of W expanded to bf16 (nc, Kp) at wd (n0 a multiple of kBlock): int4 blocks in
 // natural input order, int8 rows in kernel order; row_scale[0, nc) gets the scale still to apply to each
 // row's dot products (int8 per channel: d, its codes exact; otherwise 1).
@@ -428,43 +413,6 @@ void expand_span(const QWeight& w, int64_t n0, int64_t nc, int64_t Kp, c10::BFlo
   } else {
     for (int64_t j = 0; j < nc; ++j) row_scale[j] = expand_row_int8(w, n0 + j, Kp, wd + j * Kp);
   }
-}
-
-// xp (M, Kp): x in the order the expanded tile has (int8: kernel order; int4: natural), zero-padded.
-template <int BITS>
-void tiled(const QWeight& w, int64_t M, const c10::BFloat16* xp, int64_t Kp, const c10::BFloat16* bias,
-           c10::BFloat16* y) {
-  const int64_t ntiles = (w.N + kTile - 1) / kTile;
-  at::parallel_for(0, ntiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<c10::BFloat16> wt(kTile * Kp);  // this thread's expanded tile, (kTile, Kp)
-    float scale[kTile];
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t n0 = tile * kTile, nt = std::min(kTile, w.N - n0);
-      expand_span<BITS>(w, n0, nt, Kp, wt.data(), scale);
-      const int64_t ntp = (nt + 3) / 4 * 4;  // pad to whole 4-column blocks with zero rows
-      std::memset(static_cast<void*>(wt.data() + nt * Kp), 0, (ntp - nt) * Kp * sizeof(c10::BFloat16));
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int rb = static_cast<int>(std::min<int64_t>(4, M - m0));
-        for (int64_t c0 = 0; c0 < ntp; c0 += 4) {
-          float out[4][4];
-          const c10::BFloat16* xr = xp + m0 * Kp;
-          const c10::BFloat16* wr = wt.data() + c0 * Kp;
-          switch (rb) {
-            case 1: micro<1>(xr, wr, Kp, out); break;
-            case 2: micro<2>(xr, wr, Kp, out); break;
-            case 3: micro<3>(xr, wr, Kp, out); break;
-            default: micro<4>(xr, wr, Kp, out); break;
-          }
-          for (int r = 0; r < rb; ++r)
-            for (int64_t c = 0; c < 4 && c0 + c < nt; ++c) {
-              const int64_t n = n0 + c0 + c;
-              const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
-              y[(m0 + r) * w.N + n] = from_float<c10::BFloat16>(out[r][c] * scale[c0 + c] + b);
-            }
-        }
-      }
-    }
-  });
 }
 
 // y = x @ dequant(W).T (+ bias) through oneDNN: W expanded kExpandBytes at a time into a reused buffer
@@ -546,7 +494,77 @@ void quantize_x64(const c10::BFloat16* xp, int64_t M, int64_t Kp, int8_t* xq, fl
   }
 }
 
+// --- many rows: qtile.h's tiles ----------------------------------------------------------------------
+
+// The int8 rows [n0, n0 + r) -> a tile in natural input order: chunk c's dword l (four consecutive inputs,
+// 32 (l & 1) + 4 (l >> 1) onwards) of the 16 rows, transposed, is the tile's step 16 c + 8 (l & 1) + (l >> 1).
+// Codes q + 128, unsigned, the 128 taken back by the zero point -128 d.
+qtile::Tile fill_int8(const QWeight& w, int64_t Kp, int64_t n0, int64_t r, uint8_t* codes, float* scale, float* zp) {
+  if (n0 + qtile::kCh < w.N) qtile::prefetch_l2(w.codes + (n0 + qtile::kCh) * w.row_bytes, qtile::kCh * w.row_bytes);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t c = 0; c < Kp / 64; ++c) {
+    __m512i v[16];
+    for (int j = 0; j < 16; ++j)
+      v[j] = j < r ? _mm512_xor_si512(_mm512_loadu_si512(w.codes + (n0 + j) * w.row_bytes + c * 64), flip)
+                   : _mm512_setzero_si512();
+    qtile::transpose16(v);
+    for (int l = 0; l < 16; ++l) _mm512_storeu_si512(codes + (c * 16 + 8 * (l & 1) + (l >> 1)) * 64, v[l]);
+  }
+  for (int64_t t = 0; t < w.G; ++t)
+    for (int64_t j = 0; j < qtile::kCh; ++j) {
+      const float d = j < r ? half_to_float(w.scales[(n0 + j) * w.G + t]) : 0.f;
+      scale[t * qtile::kCh + j] = d;
+      zp[t * qtile::kCh + j] = -128.f * d;
+    }
+  return {codes, scale, zp};
+}
+
+// The int4 block from n0 (r channels) -> a tile: its step s (8 inputs, 16 channels per vpdpbusd lane
+// already) split into low nibbles (inputs 8s..8s+3: tile step 2s) and high (tile step 2s + 1); its blocked
+// float16 scales and mins made float.
+qtile::Tile fill_int4(const QWeight& w, int64_t Kp, int64_t n0, int64_t r, uint8_t* codes, float* scale, float* zp) {
+  const uint8_t* base = w.codes + n0 * w.row_bytes;
+  if (n0 + kBlock < w.N) qtile::prefetch_l2(base + r * w.row_bytes, std::min(kBlock, w.N - n0 - kBlock) * w.row_bytes);
+  const __mmask64 kc = r == kBlock ? ~__mmask64(0) : (__mmask64(1) << (4 * r)) - 1;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t s8 = 0; s8 < Kp / 8; ++s8) {
+    const __m512i z = _mm512_maskz_loadu_epi8(kc, base + s8 * 4 * r);
+    _mm512_storeu_si512(codes + 2 * s8 * 64, _mm512_and_si512(z, low));
+    _mm512_storeu_si512(codes + (2 * s8 + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(z, 4), low));
+  }
+  const at::Half* db = w.scales + n0 * w.G;
+  const at::Half* mb = w.mins + n0 * w.G;
+  const __mmask16 ks = static_cast<__mmask16>((1u << r) - 1);
+  for (int64_t t = 0; t < w.G; ++t) {
+    _mm512_storeu_ps(scale + t * kBlock, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(ks, db + t * r)));
+    _mm512_storeu_ps(zp + t * kBlock, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(ks, mb + t * r)));
+  }
+  return {codes, scale, zp};
+}
+
+at::Tensor tile_linear(const QWeight& w, const at::Tensor& x, int64_t Kp, int64_t bits, const c10::BFloat16* bias) {
+  // One scale per row: a single group of all Kp inputs (x is zero past K).
+  const qtile::Shape s{w.N, w.K, Kp, w.G == 1 ? Kp : w.g, w.G};
+  if (bits == 4)
+    return qtile::linear(x, s, bias, [&](int64_t n0, int64_t r, uint8_t* codes, float* scale, float* zp) {
+      return fill_int4(w, Kp, n0, r, codes, scale, zp);
+    });
+  return qtile::linear(x, s, bias, [&](int64_t n0, int64_t r, uint8_t* codes, float* scale, float* zp) {
+    return fill_int8(w, Kp, n0, r, codes, scale, zp);
+  });
+}
+
 #endif  // TOKENLOOM_QGEMM
+
+// Auto routes: the VNNI tiles up to this many rows, then W expanded to bf16 for oneDNN. Where the CPU
+// has AMX (as compiled: -march=native) oneDNN's tiles outrun VNNI from a few rows; without it the VNNI
+// tiles win at every batched-decode size measured (docs/performance-notes.md#quantized-batching).
+#if defined(__AMX_BF16__)
+constexpr int64_t kDefaultTileMaxRows = 2 * kSkinnyMaxRows;
+#else
+constexpr int64_t kDefaultTileMaxRows = kPackedMaxRows;
+#endif
+std::atomic<int64_t> tile_max_rows{kDefaultTileMaxRows};
 
 }  // namespace
 
@@ -558,9 +576,18 @@ bool quant_available() {
 #endif
 }
 
+int64_t quant_tile_max_rows() { return tile_max_rows.load(std::memory_order_relaxed); }
+
+void set_quant_tile_max_rows(int64_t rows) {
+  TORCH_CHECK(rows >= kSkinnyMaxRows, "quant_tile_max_rows must be at least ", kSkinnyMaxRows);
+  tile_max_rows.store(rows, std::memory_order_relaxed);
+}
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias) {
+                        const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias,
+                        int64_t route) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "quant_linear: x must be (M, K) bfloat16");
+  TORCH_CHECK(route >= kAuto && route <= kExpand, "quant_linear: route must be 0 (auto), 1 (vnni) or 2 (expand)");
   TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous(), "quant_linear: contiguous 2-d codes");
   TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kHalf && scales.is_contiguous(), "quant_linear: float16 scales (N, G)");
@@ -588,22 +615,17 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   const c10::BFloat16* xd = xc.data_ptr<c10::BFloat16>();
   QWeight w{static_cast<const uint8_t*>(codes.data_ptr()), codes.size(1), scales.data_ptr<at::Half>(),
             bits == 4 ? mins->data_ptr<at::Half>() : nullptr, N, K, G, g};
-  thread_local std::vector<c10::BFloat16> xp_buf;
-  if (M >= kExpandMinRows) {  // the weight expanded once per call, then oneDNN: AMX where the CPU has it
+  if (route == kAuto) route = M <= quant_tile_max_rows() ? kVnni : kExpand;
+  if (route == kExpand) {  // the weight expanded once per call, then oneDNN: AMX where the CPU has it
+    thread_local std::vector<c10::BFloat16> xp_buf;
     c10::BFloat16* xpp = scratch(xp_buf, M * Kp);
     pad_x(xd, M, K, Kp, /*permute=*/bits == 8, xpp);
     const at::Tensor xt = at::from_blob(xpp, {M, Kp}, x.options());
     return bits == 4 ? expanded_linear<4>(w, xt, Kp, bias) : expanded_linear<8>(w, xt, Kp, bias);
   }
+  if (M > kSkinnyMaxRows) return tile_linear(w, xc, Kp, bits, b);
   at::Tensor y = at::empty({M, N}, x.options());
   auto* yp = y.data_ptr<c10::BFloat16>();
-  if (M > kSkinnyMaxRows) {
-    c10::BFloat16* xpp = scratch(xp_buf, M * Kp);
-    pad_x(xd, M, K, Kp, /*permute=*/bits == 8, xpp);
-    if (bits == 4) tiled<4>(w, M, xpp, Kp, b, yp);
-    else tiled<8>(w, M, xpp, Kp, b, yp);
-    return y;
-  }
   // The few-row paths quantize x: int4 per 32 inputs in natural order, int8 per 64 in kernel order.
   if (bits == 4) {
     thread_local std::vector<int8_t> xq_buf;
@@ -620,6 +642,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   thread_local std::vector<int8_t> xq_buf;
   thread_local std::vector<float> dx_buf;
   thread_local std::vector<int32_t> corr_buf;
+  thread_local std::vector<c10::BFloat16> xp_buf;
   c10::BFloat16* xpp = scratch(xp_buf, M * Kp);
   pad_x(xd, M, K, Kp, /*permute=*/true, xpp);
   int8_t* xq = scratch(xq_buf, M * Kp);
@@ -630,6 +653,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   with_rows(M, [&]<int R>() { skinny_int8<R>(w, qx, b, yp); });
   return y;
 #else
+  (void)route;
   TORCH_CHECK(false, "quant_linear: built without AVX512-BF16 (use the torch path)");
 #endif
 }

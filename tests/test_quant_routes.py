@@ -1,0 +1,150 @@
+"""The quantized matmuls' routes at every batch size: int8-activation VNNI kernels (few rows, then the
+cache-resident tiles of csrc/qtile.h) and the weight expanded to bf16 for oneDNN, each forced on this CPU
+whatever it has, against the float reference and against the exact model of their arithmetic; and the
+start-up choice between them (quant/routing.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenloom import LLM
+from tokenloom.errors import ConfigError
+from tokenloom.kernels import load_quant_kernels
+from tokenloom.kernels.limits import SKINNY_MAX_ROWS
+from tokenloom.quant import routing
+from tokenloom.quant.layout import padded
+from tokenloom.quant.linear import Int4Linear, Int8Linear, QuantLinear
+from tokenloom.quant.quantizers import quantize_int4, quantize_int8
+
+KERNELS = load_quant_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="needs the AVX512 quantized kernels")
+
+ROWS = [*range(1, 65), 100, 257]  # every batched-decode size to 64, then prefill-sized calls
+N, K = 45, 256  # 45 outputs: two full 16-channel tiles and a partial one (a pair of tiles, then one alone)
+
+
+def _layers() -> dict[str, QuantLinear]:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(N, K, generator=g) * 0.05
+    bias = torch.randn(N, generator=g).bfloat16()
+    q4, d4, m4 = quantize_int4(w, 32)
+    blocks = w.reshape(N, K // 32, 32)
+    d8 = blocks.abs().amax(-1) / 127
+    q8 = torch.round(blocks / d8[..., None]).clamp(-127, 127).to(torch.int8).reshape(N, K)
+    d40 = (blocks.abs().amax(-1) / 8).half()  # GGUF Q4_0: w = d (q - 8)
+    q40 = torch.clamp(torch.round(blocks / d40.float()[..., None]) + 8, 0, 15).reshape(N, K)
+    return {
+        "int8 per channel": Int8Linear.from_codes(*quantize_int8(w), bias),
+        "Q8_0": Int8Linear.from_codes(q8, d8.half()),
+        "Q4_1": Int4Linear.from_codes(q4, d4, m4, bias),
+        "Q4_0": Int4Linear.from_codes(q40, d40, -8 * d40),
+        "int4 g64": Int4Linear.from_codes(*quantize_int4(w, 64)),
+        "int4 g128": Int4Linear.from_codes(*quantize_int4(w, 128), bias),
+    }
+
+
+def _int8_x_model(lin: QuantLinear, x: torch.Tensor, rows_apart: bool) -> torch.Tensor:
+    """float64 model of the VNNI kernels' arithmetic: x quantized to round(x / dx), dx = max |x| / 127 in
+    float32, per 32 inputs in natural order (the tiles, int4's few-row kernel) or, for int8's few-row
+    kernel (`rows_apart`), per 64-input chunk in the codes' order; times the dequantized weight."""
+    from tokenloom.quant.layout import CHUNK, CHUNK_ORDERS, LAYOUT_VERSION
+
+    m, k = x.shape
+    kp = padded(k)
+    xp = torch.cat([x.float(), x.new_zeros(m, kp - k).float()], dim=1)
+    order = CHUNK_ORDERS[LAYOUT_VERSION] if rows_apart else torch.arange(CHUNK)
+    per = CHUNK if rows_apart else 32
+    xc = xp.reshape(m, kp // CHUNK, CHUNK)[..., order].reshape(m, kp // per, per)
+    dx = xc.abs().amax(-1) / 127
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    xq = (torch.round(xc * inv[..., None]) * dx[..., None]).reshape(m, kp // CHUNK, CHUNK)
+    xhat = xq[..., torch.argsort(order)].reshape(m, kp)[:, :k]
+    bias = 0 if lin.bias is None else lin.bias.double()
+    return xhat.double() @ lin.dequantize().double().T + bias
+
+
+@pytest.fixture
+def restore_tile_max_rows() -> Iterator[None]:
+    before = KERNELS.quant_tile_max_rows()
+    yield
+    KERNELS.set_quant_tile_max_rows(before)
+
+
+@pytest.mark.parametrize("name", list(_layers()))
+def test_every_route_at_every_row_count(name: str) -> None:
+    """1..64 rows and two prefill sizes: the expand route to the float reference within the bound the
+    kernels are held to (bf16 output rounding, the weight rounded to bf16 once); the vnni route to the exact
+    model of its int8-x arithmetic within bf16 output rounding, and to the float reference in norm."""
+    lin = _layers()[name]
+    g = torch.Generator().manual_seed(1)
+    for rows in ROWS:
+        x = torch.randn(rows, K, generator=g).bfloat16()
+        want = lin.reference(x)
+        scale = want.abs().amax().item()
+        lin.route = "expand"
+        torch.testing.assert_close(lin(x).float(), want, rtol=8e-3, atol=8e-3 * scale, msg=f"expand, {rows} rows")
+        lin.route = "vnni"
+        got = lin(x).double()
+        model = _int8_x_model(lin, x, rows_apart=lin.bits == 8 and rows <= SKINNY_MAX_ROWS)
+        torch.testing.assert_close(got, model, rtol=2**-8, atol=1e-4 * scale, msg=f"vnni, {rows} rows")
+        assert (got - want.double()).norm() <= 8e-3 * want.double().norm(), f"vnni, {rows} rows"
+
+
+def test_tiles_are_their_int8_arithmetic_not_float_x() -> None:
+    """An outlier input coarsens its 32 neighbours' step: the tiles must follow the int8-x model, which then
+    differs from float x by more than the model's tolerance (so the model is what is being checked)."""
+    for name, lin in _layers().items():
+        lin.route = "vnni"
+        x = torch.randn(24, K, generator=torch.Generator().manual_seed(2)).bfloat16()
+        x[:, 5] = 40.0
+        got, model = lin(x).double(), _int8_x_model(lin, x, rows_apart=False)
+        tol = dict(rtol=2**-8, atol=1e-4 * model.abs().max().item())
+        torch.testing.assert_close(got, model, **tol, msg=name)
+        assert not torch.allclose(got, lin.reference(x).double(), **tol), name
+
+
+@pytest.mark.usefixtures("restore_tile_max_rows")
+def test_auto_route_follows_the_crossover() -> None:
+    """auto takes vnni up to quant_tile_max_rows rows and the expansion beyond: bit for bit the forced route."""
+    lin = _layers()["Q4_1"]
+    KERNELS.set_quant_tile_max_rows(16)
+    for rows, route in ((8, "vnni"), (16, "vnni"), (17, "expand"), (64, "expand")):
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        lin.route = route
+        forced = lin(x)
+        lin.route = "auto"
+        assert torch.equal(lin(x), forced), (rows, route)
+    with pytest.raises(RuntimeError, match="at least"):
+        KERNELS.set_quant_tile_max_rows(SKINNY_MAX_ROWS - 1)
+    with pytest.raises(ConfigError, match="route"):
+        lin.route = "amx"
+
+
+def test_crossover_is_where_the_tiles_stop_winning() -> None:
+    assert routing.crossover([(16, 1.0, 2.0), (32, 2.0, 2.5), (64, 4.0, 3.0), (128, 5.0, 6.0)]) == 32
+    assert routing.crossover([(16, 3.0, 2.0), (32, 1.0, 2.0)]) == SKINNY_MAX_ROWS  # lost at the first count
+    assert routing.crossover([(16, 1.0, 2.0), (256, 1.0, 1.0)]) == 256  # a tie keeps the tiles
+
+
+@pytest.mark.usefixtures("restore_tile_max_rows")
+def test_calibration_times_both_routes_and_sets_the_kernel() -> None:
+    r = routing.calibrate(KERNELS, rows=(16, 32), reps=2)
+    assert [m for m, _, _ in r.timings] == [16, 32] and all(a > 0 and b > 0 for _, a, b in r.timings)
+    assert r.tile_max_rows == routing.crossover(r.timings) == KERNELS.quant_tile_max_rows()
+    assert r.source == "measured" and "measured" in r.describe() and "16 rows" in r.describe()
+
+
+@pytest.mark.usefixtures("restore_tile_max_rows")
+def test_engine_start_up_sets_and_logs_the_routing(smollm2_gguf: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The default model (Q4_1 kept quantized) logs the choice; --quant-tile-max-rows sets it instead."""
+    with caplog.at_level(logging.INFO, logger="tokenloom.quant"):
+        LLM(model=str(smollm2_gguf), max_model_len=128, kv_cache_memory="16MiB", quant_tile_max_rows=32)
+    assert KERNELS.quant_tile_max_rows() == 32
+    assert any("VNNI kernels up to 32 rows" in r.getMessage() and "(set;" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConfigError, match="quant-tile-max-rows"):
+        LLM(model=str(smollm2_gguf), quant_tile_max_rows=4)

@@ -1,0 +1,281 @@
+// Many rows of x against a quantized weight, without expanding the weight to bf16: batched decode and
+// speculative verification (9 to a few hundred rows), where the few-row kernels would read W once per 8
+// rows and the expand-to-bf16 path writes and re-reads a bf16 copy of W every call (without AMX that
+// costs more than the matmul it feeds: docs/performance-notes.md#quantized-batching).
+//
+// Every quantized format (int8 per channel or per 32, int4 / Q4_0 / Q4_1, the K-quants and Q5_0) is seen
+// here as a *tile* of 16 output channels: unsigned codes u with w = scale_t u + zp_t per group t of gs
+// inputs (gs = 16, 32, ... or the whole row), in steps of 4 inputs x 16 channels = 64 bytes, so that
+// vpdpbusd's int32 lane j accumulates channel j (no horizontal sums; int4 blocks are already stored so,
+// as nibbles: 64 bytes per 8 inputs, low nibbles inputs 0-3, high 4-7). Each format's `fill` decodes one
+// block of W into that tile (in place for int4), once per call, into a buffer that stays in L1/L2 while
+// all M rows of x are dotted with it, kRows at a time: each weight byte comes from memory once per step.
+//
+// x is quantized as the few-row kernels do (int8 per 32 inputs, dx = max |x| / 127) and the zero points
+// multiply dx times the sum of xq over their group, so y is exactly W dequantized times x quantized.
+// Per group and row: gs / 4 vpdpbusd, one int->float conversion and three multiply-adds per 32 inputs.
+//
+// Include only where AVX512-F, -BW, -VL and -VNNI are compiled in (the including file's guard).
+#pragma once
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "avx512.h"
+#include "dtype.h"
+
+namespace qtile {
+
+constexpr int64_t kCh = 16;   // output channels per tile: vpdpbusd's 16 int32 lanes
+constexpr int64_t kRows = 4;  // rows of x per microkernel call, against two tiles: up to 3 x 2 x 4 accumulators
+
+struct Tile {
+  const uint8_t* codes;  // (Kp / 4) steps of 4 inputs x 16 channels, 64 bytes each
+  const float* scale;    // (G, 16): group t's scale of each channel
+  const float* zp;       // (G, 16): its zero point (w = scale u + zp)
+};
+
+struct Shape {
+  int64_t N, K, Kp;  // outputs, inputs, inputs padded to whole 64s (x and tile codes are zero there)
+  int64_t gs, G;     // inputs per scale group (16, 32 or a multiple of 32; Kp for one scale per row) and groups
+};
+
+struct X {
+  const int8_t* q;   // (M, Kp) xq
+  const float* dx;   // (M, Kp / 32)
+  const float* xs;   // (M, G): dx * sum of xq over each group
+  int64_t Kp, G;
+};
+
+// Scratch per thread (the parallel_for workers and the caller each keep theirs).
+template <typename T>
+T* scratch(std::vector<T>& buf, int64_t n) {
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+// Ask for `bytes` from p into L2: the next tile's weight, while this tile's rows are computed (a tile's
+// 16 rows of codes are 16 streams, more than the hardware prefetchers follow).
+inline void prefetch_l2(const uint8_t* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
+}
+
+// In place: r[i] dword c -> r[c] dword i (a 16 x 16 transpose of 32-bit values): 16 vectors of one
+// channel's 64 codes each become 16 steps of 4 inputs x 16 channels.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int q = 0; q < 16; q += 4) {  // per 128-bit lane L: column 4L + j of rows q..q+3 in u[q + j]
+    u[q] = _mm512_unpacklo_epi64(t[q], t[q + 2]);
+    u[q + 1] = _mm512_unpackhi_epi64(t[q], t[q + 2]);
+    u[q + 2] = _mm512_unpacklo_epi64(t[q + 1], t[q + 3]);
+    u[q + 3] = _mm512_unpackhi_epi64(t[q + 1], t[q + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i a = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), b = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88), d = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+    r[j] = _mm512_shuffle_i32x4(a, c, 0x88);
+    r[4 + j] = _mm512_shuffle_i32x4(b, d, 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    r[12 + j] = _mm512_shuffle_i32x4(b, d, 0xDD);
+  }
+}
+
+// 16 floats -> bf16, rounded to nearest even (vcvtneps2bf16 where the CPU has AVX512-BF16).
+inline __m256i to_bf16(__m512 v) {
+#ifdef __AVX512BF16__
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16));
+#endif
+}
+
+inline __m512 bf16x16(const c10::BFloat16* p, __mmask16 k) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
+// x (M, K) -> X: xq (M, Kp) int8 (zeros from K), dx (M, Kp / 32), xs (M, G) per group of gs inputs.
+inline void quantize(const c10::BFloat16* x, int64_t M, const Shape& s, int8_t* xq, float* dx, float* xs) {
+  std::fill(xs, xs + M * s.G, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < s.Kp; k += 32) {
+      const int64_t n = std::clamp<int64_t>(s.K - k, 0, 32);
+      const __mmask32 kk = n == 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1;
+      const __m512 f0 = bf16x16(x + m * s.K + k, static_cast<__mmask16>(kk)),
+                   f1 = bf16x16(x + m * s.K + k + 16, static_cast<__mmask16>(kk >> 16));
+      const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1))) / 127.f;
+      dx[m * (s.Kp / 32) + k / 32] = d;
+      const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      // round to nearest even; |x| / d <= 127 stays in int8
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(f0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(f1, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * s.Kp + k), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * s.Kp + k + 16), _mm512_cvtsepi32_epi8(q1));
+      const int64_t g0 = k / s.gs, g1 = (k + 16) / s.gs;  // groups past K (padding) have no sum to take
+      if (g0 < s.G) xs[m * s.G + g0] += d * static_cast<float>(_mm512_reduce_add_epi32(q0));
+      if (g1 < s.G) xs[m * s.G + g1] += d * static_cast<float>(_mm512_reduce_add_epi32(q1));
+    }
+  }
+}
+
+// acc[c][r] lane j = dot(x[m0 + r], channel j of tile c) for CB tiles and R rows of x. Per step of 4 inputs:
+// CB weight loads and R broadcasts of xq feed CB x R vpdpbusd (two tiles per pass: one load per vpdpbusd
+// was the limit with one). SPAN inputs (16 or 32; dx is per 32) are summed in int32, unrolled; groups of
+// SPAN inputs (LONG false) scale those sums straight into acc, longer groups (LONG) sum each 32 inputs
+// times dx first (gacc), then apply the group's scales once.
+template <int R, int CB, int SPAN, bool LONG>
+__attribute__((always_inline)) inline void dot(const Tile* t, const Shape& s, const X& x, int64_t m0,
+                                               __m512 (&acc)[CB][R]) {
+  const int8_t* xr[R];
+  const float* dr[R];
+  const float* sr[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    xr[r] = x.q + (m0 + r) * x.Kp;
+    dr[r] = x.dx + (m0 + r) * (x.Kp / 32);
+    sr[r] = x.xs + (m0 + r) * x.G;
+  }
+  const uint8_t* wc[CB];
+#pragma GCC unroll 2
+  for (int c = 0; c < CB; ++c) wc[c] = t[c].codes;
+#pragma GCC unroll 8
+  for (int c = 0; c < CB; ++c)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+  const int64_t gs = LONG ? s.gs : SPAN;
+  for (int64_t g = 0; g < s.G; ++g) {
+    __m512 gacc[CB][R];
+    if constexpr (LONG) {
+#pragma GCC unroll 8
+      for (int c = 0; c < CB; ++c)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) gacc[c][r] = _mm512_setzero_ps();
+    }
+    __m512 sv[CB];
+#pragma GCC unroll 2
+    for (int c = 0; c < CB; ++c) sv[c] = _mm512_loadu_ps(t[c].scale + g * kCh);
+    for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += SPAN) {
+      __m512i isum[CB][R];
+#pragma GCC unroll 8
+      for (int c = 0; c < CB; ++c)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) isum[c][r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int k = 0; k < SPAN; k += 4) {
+        __m512i w[CB];
+#pragma GCC unroll 2
+        for (int c = 0; c < CB; ++c) w[c] = _mm512_loadu_si512(wc[c] + (k0 + k) * 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512i xb = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr[r] + k0 + k));
+#pragma GCC unroll 2
+          for (int c = 0; c < CB; ++c) isum[c][r] = _mm512_dpbusd_epi32(isum[c][r], w[c], xb);
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 d = _mm512_set1_ps(dr[r][k0 / 32]);
+#pragma GCC unroll 2
+        for (int c = 0; c < CB; ++c) {
+          if constexpr (LONG) gacc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[c][r]), d, gacc[c][r]);
+          else acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[c][r]), _mm512_mul_ps(sv[c], d), acc[c][r]);
+        }
+      }
+    }
+#pragma GCC unroll 2
+    for (int c = 0; c < CB; ++c) {
+      const __m512 zv = _mm512_loadu_ps(t[c].zp + g * kCh);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        if constexpr (LONG) acc[c][r] = _mm512_fmadd_ps(gacc[c][r], sv[c], acc[c][r]);
+        acc[c][r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(sr[r][g]), acc[c][r]);
+      }
+    }
+  }
+}
+
+struct Out {
+  int64_t n0;
+  __mmask16 k;  // the tile's channels (a last tile may hold fewer than 16)
+  __m512 bias;
+};
+
+template <int R, int CB, int SPAN, bool LONG>
+inline void rows_out(const Tile* t, const Out* o, const Shape& s, const X& x, int64_t m0, c10::BFloat16* y) {
+  __m512 acc[CB][R];
+  dot<R, CB, SPAN, LONG>(t, s, x, m0, acc);
+  for (int c = 0; c < CB; ++c)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      _mm256_mask_storeu_epi16(y + (m0 + r) * s.N + o[c].n0, o[c].k, to_bf16(_mm512_add_ps(acc[c][r], o[c].bias)));
+}
+
+template <int CB, int SPAN, bool LONG>
+inline void rows_all(const Tile* t, const Out* o, const Shape& s, const X& x, int64_t M, c10::BFloat16* y) {
+  int64_t m0 = 0;
+  for (; m0 + kRows <= M; m0 += kRows) rows_out<kRows, CB, SPAN, LONG>(t, o, s, x, m0, y);
+  switch (M - m0) {
+    case 1: rows_out<1, CB, SPAN, LONG>(t, o, s, x, m0, y); break;
+    case 2: rows_out<2, CB, SPAN, LONG>(t, o, s, x, m0, y); break;
+    case 3: rows_out<3, CB, SPAN, LONG>(t, o, s, x, m0, y); break;
+    default: break;
+  }
+}
+
+// The kernel for the shape's groups: 16 inputs (Q6_K), 32 (GGUF's Q4_0 .. Q8_0, Q4_K, Q5_K, Q5_0), longer.
+template <int CB>
+inline void rows_for(const Tile* t, const Out* o, const Shape& s, const X& x, int64_t M, c10::BFloat16* y) {
+  if (s.gs == 16) rows_all<CB, 16, false>(t, o, s, x, M, y);
+  else if (s.gs == 32) rows_all<CB, 32, false>(t, o, s, x, M, y);
+  else rows_all<CB, 32, true>(t, o, s, x, M, y);
+}
+
+// y (M, N) bf16 = x @ W.T (+ bias). `fill(n0, r, codes, scale, zp)` decodes channels [n0, n0 + r) (r <= 16)
+// into a Tile, in the per-thread buffers it is given: codes (Kp / 4 steps x 64 bytes), scale and zp
+// (G x 16 floats each); channels r..15 of them may hold anything (their outputs are never stored).
+template <typename Fill>
+at::Tensor linear(const at::Tensor& x, const Shape& s, const c10::BFloat16* bias, Fill&& fill) {
+  const int64_t M = x.size(0);
+  thread_local std::vector<int8_t> xq_buf;
+  thread_local std::vector<float> dx_buf, xs_buf;
+  int8_t* xq = scratch(xq_buf, M * s.Kp);
+  float* dx = scratch(dx_buf, M * s.Kp / 32);
+  float* xs = scratch(xs_buf, M * s.G);
+  quantize(x.data_ptr<c10::BFloat16>(), M, s, xq, dx, xs);
+  const X xv{xq, dx, xs, s.Kp, s.G};
+  at::Tensor y = at::empty({M, s.N}, x.options());
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  const int64_t pairs = (s.N + 2 * kCh - 1) / (2 * kCh);  // tiles are computed two at a time
+  // ~2 M multiply-adds per task at least, so that small layers stay on the calling thread.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 21) / (M * s.Kp * 2 * kCh));
+  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint8_t> codes_buf;
+    thread_local std::vector<float> scale_buf, zp_buf;
+    uint8_t* codes = scratch(codes_buf, 2 * s.Kp * kCh);
+    float* scale = scratch(scale_buf, 2 * s.G * kCh);
+    float* zp = scratch(zp_buf, 2 * s.G * kCh);
+    for (int64_t p = begin; p < end; ++p) {
+      Tile t[2];
+      Out o[2];
+      int cb = 0;
+      for (; cb < 2 && (2 * p + cb) * kCh < s.N; ++cb) {
+        const int64_t n0 = (2 * p + cb) * kCh, r = std::min(kCh, s.N - n0);
+        t[cb] = fill(n0, r, codes + cb * s.Kp * kCh, scale + cb * s.G * kCh, zp + cb * s.G * kCh);
+        o[cb].n0 = n0;
+        o[cb].k = static_cast<__mmask16>((1u << r) - 1);
+        o[cb].bias = bias == nullptr ? _mm512_setzero_ps() : bf16x16(bias + n0, o[cb].k);
+      }
+      if (cb == 2) rows_for<2>(t, o, s, xv, M, yp);
+      else rows_for<1>(t, o, s, xv, M, yp);
+    }
+  });
+  return y;
+}
+
+}  // namespace qtile

@@ -1,0 +1,121 @@
+"""Which kernel the quantized matmuls use for how many rows of x, chosen for this CPU at start-up.
+
+Up to `quant_tile_max_rows` rows the kernels dot int8 activations with the quantized codes (vpdpbusd: the
+few-row kernels, then kernels/csrc/qtile.h's cache-resident tiles), reading each weight byte from memory
+once per call; beyond it they expand the weight to bf16 and hand it to oneDNN, which pays a bf16 copy of
+the weight per call but runs AMX where the CPU has it. Where the two cross depends on the CPU (AMX or
+not, core count, cache and memory speed), not on its vendor, so the engine measures it at start-up
+(`calibrate`): both routes on one synthetic layer at row counts 16 to 256, the tiles kept up to the
+largest count below which they win at every count measured. `--quant-tile-max-rows N` sets it instead.
+The kernel module holds the value for the whole process (quant_linear and kquant_linear, the fused
+decode stack included); it is logged with the timings behind it. The measurement is made once per process
+(`measured`): a process that builds several engines (tests, a benchmark sweep) sees the same choice.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from tokenloom.errors import ConfigError
+from tokenloom.kernels.limits import PACKED_MAX_ROWS, SKINNY_MAX_ROWS
+
+log = logging.getLogger("tokenloom.quant")
+
+CALIBRATION_ROWS = (16, 32, 64, 128, 256)
+# The synthetic layer: int4 with groups of 32 (GGUF Q4_0/Q4_1's form, the default model's), 2048 x 1024:
+# 1 MiB of codes, past the L2 cache of the CPUs measured, as a model's layers are.
+_SHAPE = (2048, 1024)
+
+
+@dataclass(frozen=True)
+class QuantRouting:
+    tile_max_rows: int
+    source: str  # "measured" | "set" (--quant-tile-max-rows)
+    amx: bool
+    # rows -> (tiles ms, expand ms), medians; empty when not measured
+    timings: tuple[tuple[int, float, float], ...] = ()
+
+    def describe(self) -> str:
+        beyond = ", W expanded to bf16 for oneDNN beyond" if self.tile_max_rows < PACKED_MAX_ROWS else ""
+        text = (f"quantized matmuls: int8-activation VNNI kernels up to {self.tile_max_rows} rows{beyond} "
+                f"({self.source}; CPU AMX: {'yes' if self.amx else 'no'})")
+        if self.timings:
+            text += "; tiles vs expand ms at " + ", ".join(f"{m} rows {a:.2f}/{b:.2f}" for m, a, b in self.timings)
+        return text
+
+
+def cpu_has_amx() -> bool:
+    """Whether torch's CPU dispatch sees AMX (its own feature detection; no vendor names involved)."""
+    try:
+        return "AMX" in torch.backends.cpu.get_cpu_capability().upper()
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def crossover(timings: Sequence[tuple[int, float, float]]) -> int:
+    """The largest row count up to which the tiles were at least as fast as the expansion at every count
+    measured (SKINNY_MAX_ROWS if they lost at the first). `timings`: (rows, tiles, expand), rows ascending."""
+    best = SKINNY_MAX_ROWS
+    for rows, tiles, expand in timings:
+        if tiles > expand:
+            break
+        best = rows
+    return best
+
+
+def _median_ms(fn: Callable[[], object], reps: int) -> float:
+    fn()  # the first call builds oneDNN's primitive and the kernels' scratch
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def calibrate(kernels: ModuleType, rows: Sequence[int] = CALIBRATION_ROWS, reps: int = 5) -> QuantRouting:
+    """Time both routes on the synthetic layer, set the crossover in `kernels`; about 0.1-0.3 s."""
+    from tokenloom.quant.linear import Int4Linear
+    from tokenloom.quant.quantizers import quantize_int4
+
+    n, k = _SHAPE
+    gen = torch.Generator().manual_seed(0)
+    layer = Int4Linear.from_codes(*quantize_int4(torch.randn(n, k, generator=gen) * 0.05, 32))
+    args = (layer.codes, layer.scales, layer.mins, layer.bits, None)
+    timings = []
+    for m in rows:
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        tiles = _median_ms(lambda: kernels.quant_linear(x, *args, 1), reps)
+        expand = _median_ms(lambda: kernels.quant_linear(x, *args, 2), reps)
+        timings.append((m, tiles, expand))
+    routing = QuantRouting(crossover(timings), "measured", cpu_has_amx(), tuple(timings))
+    kernels.set_quant_tile_max_rows(routing.tile_max_rows)
+    return routing
+
+
+@functools.cache
+def measured(kernels: ModuleType) -> QuantRouting:
+    """`calibrate` once per process and kernel module."""
+    return calibrate(kernels)
+
+
+def choose(kernels: ModuleType, tile_max_rows: int | None) -> QuantRouting:
+    """Set the crossover: `tile_max_rows` as given (--quant-tile-max-rows), else measured; logged."""
+    if tile_max_rows is None:
+        routing = measured(kernels)
+        kernels.set_quant_tile_max_rows(routing.tile_max_rows)
+    else:
+        if tile_max_rows < SKINNY_MAX_ROWS:
+            raise ConfigError(f"--quant-tile-max-rows must be at least {SKINNY_MAX_ROWS}, got {tile_max_rows}")
+        kernels.set_quant_tile_max_rows(tile_max_rows)
+        routing = QuantRouting(tile_max_rows, "set", cpu_has_amx())
+    log.info("%s", routing.describe())
+    return routing
