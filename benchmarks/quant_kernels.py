@@ -10,12 +10,13 @@ kernel the engine's bf16 decode uses) and Q8_0; every kernel route of the build 
 serves. `--gguf-decode-step` times a Gemma 3 270M Q4_K_M decode step's linears out of cache (18 layers,
 each its own weights, with the file's types) against the same in bf16.
 
-`--decode-step` measures what a single-stream decode step pays instead: 30 layers' worth of SmolLM2's
-four linears, each its own weights (too many for the caches), called once each with one row, as the
-decode stack does; bf16 through the skinny kernel the engine uses. Prints ms per step and the weight
+`--decode-step` measures what a decode step pays instead: 30 layers' worth of SmolLM2's four linears,
+each its own weights (too many for the caches), called once each with --rows rows (each count in turn),
+as the decode stack does; bf16 as the engine runs it (the skinny kernel for one row, oneDNN's prepacked
+weight for more), the quantized formats through their auto route. Prints ms per step and the weight
 bytes read per second.
 
-    python benchmarks/quant_kernels.py [--min-run-time 0.1] [--rows 1,64] [--decode-step]
+    python benchmarks/quant_kernels.py [--min-run-time 0.1] [--rows 1,64] [--decode-step [--rows 1,16,64]]
     python benchmarks/quant_kernels.py --gguf-types [--rows 1,4,8,64,256] | --gguf-decode-step
 """
 
@@ -44,7 +45,7 @@ def torch_int4(w: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 2), sz
 
 
-def decode_step(repeats: int = 5, steps: int = 20) -> None:
+def decode_step(rows: list[int], repeats: int = 5, steps: int = 20) -> None:
     from tokenloom.kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels()
@@ -52,23 +53,39 @@ def decode_step(repeats: int = 5, steps: int = 20) -> None:
         raise SystemExit("--decode-step needs the C++ kernels")
     torch.manual_seed(0)
     shapes = [SHAPES[name] for name in ("qkv", "o", "gate_up", "down")]
-    xs = {k: torch.randn(1, k).bfloat16() for _, k in shapes}
     formats = {
-        "bf16": lambda w: (lambda x, w=w.bfloat16(): kernels.skinny_linear(x, w, None), w.numel() * 2),
+        "bf16": lambda w: _bf16(kernels, w),
         "int8": lambda w: _sized(Int8Linear.from_codes(*quantize_int8(w))),
+        "Q8_0": lambda w: _sized(Int8Linear.from_codes(*_q8_0(w))),
         "int4 g128": lambda w: _sized(Int4Linear.from_codes(*quantize_int4(w, int4_group_size(w.shape[1], 128)))),
-        "int4 g32": lambda w: _sized(Int4Linear.from_codes(*quantize_int4(w, 32))),
+        "Q4_1": lambda w: _sized(Int4Linear.from_codes(*quantize_int4(w, 32))),
     }
     for label, make in formats.items():
         layers = [make(torch.randn(n, k) * 0.05) for _ in range(30) for n, k in shapes]
         nbytes = sum(b for _, b in layers)
-        calls = [(fn, xs[k]) for (fn, _), (_, k) in zip(layers, shapes * 30)]
+        for m in rows:
+            xs = {k: torch.randn(m, k).bfloat16() for _, k in shapes}
+            calls = [(fn, xs[k]) for (fn, _), (_, k) in zip(layers, shapes * 30)]
 
-        def step() -> None:
-            for fn, x in calls:
-                fn(x)
+            def step() -> None:
+                for fn, x in calls:
+                    fn(x)
 
-        _report_step(label, 10, step, nbytes, repeats, steps)
+            _report_step(f"{label} M={m}", 14, step, nbytes, repeats, steps)
+
+
+def _bf16(kernels: object, w: torch.Tensor) -> tuple[object, int]:
+    """A dense layer as the engine runs it: the skinny kernel for one row, oneDNN's prepacked weight for
+    2..PACKED_MAX_ROWS rows (models/layers.py Linear)."""
+    wb = w.bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(wb, 64)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return kernels.skinny_linear(x, wb, None)  # type: ignore[attr-defined]
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    return run, wb.numel() * 2
 
 
 def _report_step(label: str, width: int, step: Callable[[], None], nbytes: int, repeats: int, steps: int) -> None:
@@ -211,7 +228,7 @@ def main() -> None:
         gguf_decode_step()
         return
     if args.decode_step:
-        decode_step()
+        decode_step([int(r) for r in args.rows.split(",")])
         return
     torch.manual_seed(0)
     print(f"threads {torch.get_num_threads()}; median us (speed-up vs bf16)")
