@@ -510,6 +510,19 @@ qtile::Tile fill_int8(const QWeight& w, int64_t Kp, int64_t n0, int64_t r, uint8
     qtile::transpose16(v);
     for (int l = 0; l < 16; ++l) _mm512_storeu_si512(codes + (c * 16 + 8 * (l & 1) + (l >> 1)) * 64, v[l]);
   }
+  // Scale t of the 16 channels: a gather of 32 bits at each channel's float16 scale t (the low half is it;
+  // the high half, the next scale, is not used). The last tile gathers nothing past the tensor: scalar.
+  if (n0 + qtile::kCh < w.N) {
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int>(2 * w.G)));
+    const char* base = reinterpret_cast<const char*>(w.scales + n0 * w.G);
+    for (int64_t t = 0; t < w.G; ++t) {
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(at, base + 2 * t, 1)));
+      _mm512_storeu_ps(scale + t * qtile::kCh, d);
+      _mm512_storeu_ps(zp + t * qtile::kCh, _mm512_mul_ps(d, _mm512_set1_ps(-128.f)));
+    }
+    return {codes, scale, zp};
+  }
   for (int64_t t = 0; t < w.G; ++t)
     for (int64_t j = 0; j < qtile::kCh; ++j) {
       const float d = j < r ? half_to_float(w.scales[(n0 + j) * w.G + t]) : 0.f;
