@@ -31,7 +31,7 @@
 //                16 inputs, Q5_0's 16 starts the dot product from -16 times x's sums per 4.
 //                More rows (batched decode and verification): qtile.h, 16 rows of W decoded by the same
 //                decoders into a cache-resident tile of 16 channels per vpdpbusd lane, dotted with all M
-//                rows of x 8 at a time (no vpmulld: the sub-block scales apply once per 16 or 32 inputs).
+//                rows of x, 4 rows by 2 tiles per pass (no vpmulld: the sub-block scales apply once per 16 or 32 inputs).
 //   2 "avx512"   the weight decoded to bfloat16 (the same AVX-512 decoders, d sc q - m rounded to bf16 once),
 //                kExpandBytes at a time, then one oneDNN matmul (at::linear) over all M rows: prefill chunks
 //                and large decode batches, where the expansion is paid once for many rows.

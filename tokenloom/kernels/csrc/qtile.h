@@ -4,16 +4,17 @@
 // costs more than the matmul it feeds: docs/performance-notes.md#quantized-batching).
 //
 // Every quantized format (int8 per channel or per 32, int4 / Q4_0 / Q4_1, the K-quants and Q5_0) is seen
-// here as a *tile* of 16 output channels: unsigned codes u with w = scale_t u + zp_t per group t of gs
-// inputs (gs = 16, 32, ... or the whole row), in steps of 4 inputs x 16 channels = 64 bytes, so that
-// vpdpbusd's int32 lane j accumulates channel j (no horizontal sums; int4 blocks are already stored so,
-// as nibbles: 64 bytes per 8 inputs, low nibbles inputs 0-3, high 4-7). Each format's `fill` decodes one
-// block of W into that tile (in place for int4), once per call, into a buffer that stays in L1/L2 while
-// all M rows of x are dotted with it, kRows at a time: each weight byte comes from memory once per step.
+// here as a *tile* of 16 output channels: unsigned 8-bit codes u with w = scale_t u + zp_t per group t of
+// gs inputs (gs = 16, 32, ... or the whole row), in steps of 4 inputs x 16 channels = 64 bytes, so that
+// vpdpbusd's int32 lane j accumulates channel j (no horizontal sums). Each format's `fill` decodes one
+// block of 16 rows of W into that tile once per call (int4: its blocks' nibbles split into bytes; int8 and
+// the K-quants: rows transposed 16 x 16 dwords at a time), into a buffer that stays in L1/L2 while all M
+// rows of x are dotted with it, 4 rows against 2 tiles per pass: each weight byte comes from memory once.
 //
 // x is quantized as the few-row kernels do (int8 per 32 inputs, dx = max |x| / 127) and the zero points
 // multiply dx times the sum of xq over their group, so y is exactly W dequantized times x quantized.
-// Per group and row: gs / 4 vpdpbusd, one int->float conversion and three multiply-adds per 32 inputs.
+// Per 32 inputs, row and tile: 8 vpdpbusd, then an int->float conversion and two or three float ops
+// (which bound groups of 32, GGUF's Q4_0..Q8_0: docs/performance-notes.md#quantized-batching).
 //
 // Include only where AVX512-F, -BW, -VL and -VNNI are compiled in (the including file's guard).
 #pragma once

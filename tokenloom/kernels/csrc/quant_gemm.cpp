@@ -22,14 +22,14 @@
 //     Weights are prefetched in software: hardware prefetchers stop at 4 KiB pages. (Quantizing x takes
 //     far fewer instructions than widening the codes to bf16: docs/performance-notes.md#quantized-matmul.)
 //   kSkinnyMaxRows < M <= quant_tile_max_rows() (batched decode, verification, small prefill chunks): qtile.h,
-//     16 output channels at a time decoded into a cache-resident tile of 8-bit codes (int4: read in
-//     place) and dotted with all M rows by vpdpbusd, 8 rows per pass: W read from memory once per call.
+//     16 output channels at a time decoded into a cache-resident tile of 8-bit codes and dotted with all
+//     M rows by vpdpbusd, 4 rows against 2 tiles per pass: W read from memory once per call.
 //   M > quant_tile_max_rows() (prefill): the weight is expanded to bf16 (int8 per channel: the codes, exact,
 //     the scale applied to each dot product; grouped: d q + m rounded to bf16 once), up to 16 MiB of it at
 //     once (all of a SmolLM2 layer) in a reused buffer, then one oneDNN matmul over all M rows (at::linear:
 //     AMX where the CPU has it), which outruns the VNNI tiles once enough rows pay for the expansion.
-// quant_tile_max_rows() is chosen for the CPU when the module loads (see its definition) and can be set
-// from Python (tokenloom/quant/routing.py), which logs the choice at start-up.
+// quant_tile_max_rows() starts from a default for the build's CPU features (see its definition); the engine
+// sets it at start-up from a measurement of both routes (tokenloom/quant/routing.py), which it logs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
