@@ -61,6 +61,11 @@ class QuantExperts(nn.Module):
         self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
 
 
+def _float_weight(layer: nn.Module) -> torch.Tensor:
+    """A float or quantized layer's (N, K) weight in float32 on the CPU."""
+    return layer.weight.float().cpu() if isinstance(layer, nn.Linear) else layer.dequantize()
+
+
 def route(logits: torch.Tensor, k: int, router: str, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, E) router logits -> (T, k) float32 weights and (T, k) int64 expert ids, for all tokens at once."""
     if router == "topk_softmax":
@@ -168,9 +173,9 @@ class SparseMoE(nn.Module):
                 out[t] += w * (w_down @ h)
             if self.shared_expert is not None and self.shared_expert_gate is not None:
                 s = self.shared_expert.intermediate_size
-                gate_up = self.shared_expert.gate_up_proj.weight.float().cpu() @ xt  # (2S,)
+                gate_up = _float_weight(self.shared_expert.gate_up_proj) @ xt  # (2S,)
                 h = F.silu(gate_up[:s]) * gate_up[s:]
-                shared = self.shared_expert.down_proj.weight.float().cpu() @ h
+                shared = _float_weight(self.shared_expert.down_proj) @ h
                 out[t] += torch.sigmoid(self.shared_expert_gate.weight.float().cpu() @ xt) * shared
         return out.to(device=x.device, dtype=x.dtype)
 
@@ -221,8 +226,13 @@ class SparseMoE(nn.Module):
     def expected_slots(self) -> set[str]:
         """Every slot `load_weight` must fill: the router, each expert's gate, up and down (unless quantized experts
         are installed), the shared expert's."""
-        shared = ({"shared_gate", "shared:gate_proj", "shared:up_proj", "shared:down_proj"}
-                  if self.shared_expert is not None else set())
+        shared: set[str] = set()
+        if self.shared_expert is not None:  # its float layers (a quantized checkpoint stores its layers quantized)
+            shared.add("shared_gate")
+            if isinstance(self.shared_expert.gate_up_proj, nn.Linear):
+                shared |= {"shared:gate_proj", "shared:up_proj"}
+            if isinstance(self.shared_expert.down_proj, nn.Linear):
+                shared.add("shared:down_proj")
         experts = ({f"{s}:{e}" for e in range(self.num_experts) for s in ("gate", "up", "down")}
                    if self.experts is None else set())
         return {"gate"} | shared | experts
