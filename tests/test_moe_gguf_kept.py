@@ -32,7 +32,8 @@ from tokenloom.quant.weight_only import weight_bytes
 Q = GGMLQuantizationType
 H, FF, EXPERTS, HEADS, KV_HEADS, D, VOCAB = 256, 256, 4, 4, 2, 64, 256
 # per arch: (gate, up, down per layer) expert stack types
-EXPERT_TYPES = {"llama": (Q.Q4_0, Q.Q4_1, (Q.Q8_0, Q.Q8_0)), "qwen3moe": (Q.Q4_K, Q.Q5_0, (Q.Q6_K, Q.Q5_K))}
+EXPERT_TYPES = {"llama": (Q.Q4_0, Q.Q4_1, (Q.Q8_0, Q.Q8_0)), "qwen3moe": (Q.Q4_K, Q.Q5_0, (Q.Q6_K, Q.Q5_K)),
+                "qwen2moe": (Q.Q8_0, Q.Q8_0, (Q.Q4_0, Q.Q4_0))}  # and a Q8_0 shared expert
 # Kept (bfloat16, quantized kernels) against the same file dequantized to bfloat16: the logits' error relative to
 # their norm (0.13% Mixtral-style, 0.10% Qwen3-MoE measured) is a few bfloat16 roundings of the matmuls, which sum
 # in another order. Both are ~1.6% / ~4.8% from float32 (bfloat16 activations flip a few near-tied routing choices),
@@ -75,6 +76,11 @@ def write_tiny_moe_gguf(path: Path, arch: str) -> Path:
             f"blk.{i}.ffn_down_exps.weight": (_quantized(down_t, EXPERTS * H, FF, s + 7).reshape(EXPERTS, H, -1),
                                               down_t),
         }
+        if arch == "qwen2moe":
+            t |= {f"blk.{i}.ffn_gate_inp_shexp.weight": (rng.normal(0, 0.5, H).astype(np.float32), Q.F32),
+                  f"blk.{i}.ffn_gate_shexp.weight": (_quantized(Q.Q8_0, FF, H, s + 8), Q.Q8_0),
+                  f"blk.{i}.ffn_up_shexp.weight": (_quantized(Q.Q8_0, FF, H, s + 9), Q.Q8_0),
+                  f"blk.{i}.ffn_down_shexp.weight": (_quantized(Q.Q8_0, H, FF, s + 10), Q.Q8_0)}
         if arch == "qwen3moe":
             t[f"blk.{i}.attn_q_norm.weight"] = ((1 + rng.normal(0, 0.1, D)).astype(np.float32), Q.F32)
             t[f"blk.{i}.attn_k_norm.weight"] = ((1 + rng.normal(0, 0.1, D)).astype(np.float32), Q.F32)
@@ -83,8 +89,10 @@ def write_tiny_moe_gguf(path: Path, arch: str) -> Path:
           "attention.head_count": HEADS, "attention.head_count_kv": KV_HEADS, "attention.key_length": D,
           "attention.value_length": D, "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0,
           "expert_count": EXPERTS, "expert_used_count": 2}
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen2moe"):
         hp["expert_feed_forward_length"] = FF
+    if arch == "qwen2moe":
+        hp["expert_shared_feed_forward_length"] = FF
     for key, v in hp.items():
         (w.add_float32 if isinstance(v, float) else w.add_uint32)(f"{arch}.{key}", v)
     w.add_string("tokenizer.ggml.model", "gpt2")
@@ -123,6 +131,11 @@ def test_experts_kept_at_file_size_and_compute_the_dequantized_model(arch: str, 
         gate_up, down = block.experts.gate_up[3], block.experts.down[3]
         if arch == "llama":  # Q4_0 + Q4_1: one int4 layer; Q8_0 down
             assert isinstance(gate_up, Int4Linear) and isinstance(down, Int8Linear)
+        elif arch == "qwen2moe":  # Q8_0 gate/up, Q4_0 down; the shared expert kept too, its gate float
+            assert isinstance(gate_up, Int8Linear) and isinstance(down, Int4Linear)
+            assert block.shared_expert is not None and isinstance(block.shared_expert.gate_up_proj, Int8Linear)
+            assert isinstance(block.shared_expert.down_proj, Int8Linear)
+            assert isinstance(block.shared_expert_gate, torch.nn.Linear)
         else:  # Q4_K + Q5_0: two K-quant layers side by side
             assert isinstance(gate_up, PartsLinear) and [p.qtype for p in gate_up.parts] == [gate_t, up_t]
             assert isinstance(down, KQuantLinear) and down.qtype == down_t

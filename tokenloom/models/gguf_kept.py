@@ -53,6 +53,9 @@ _FUSED = {
     "self_attn.o_proj": ("attn_output",),
     "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
     "mlp.down_proj": ("ffn_down",),
+    # Qwen2-MoE's shared expert (its sigmoid gate, ffn_gate_inp_shexp, stays float as the router does)
+    "mlp.shared_expert.gate_up_proj": ("ffn_gate_shexp", "ffn_up_shexp"),
+    "mlp.shared_expert.down_proj": ("ffn_down_shexp",),
 }
 # Phi-3's file holds q/k/v and gate/up fused already (ffn_up: gate rows, then up rows)
 _FUSED_PHI3 = {**_FUSED, "self_attn.qkv_proj": ("attn_qkv",), "mlp.gate_up_proj": ("ffn_up",)}
