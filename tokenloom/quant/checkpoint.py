@@ -70,7 +70,8 @@ def stored_layers(stored: dict[str, dict[str, torch.Tensor]], model: nn.Module,
         if (m := _EXPERT.fullmatch(path)) is not None:
             block = _block(model, m.group(1), path)
             k = block.gate.in_features if m.group(2) == "gate_up" else block.intermediate_size
-            experts.setdefault(m.group(1), ({}, {}))[m.group(2) == "down"][int(m.group(3))] = _layer(parts, k, layout, path)
+            side = experts.setdefault(m.group(1), ({}, {}))[m.group(2) == "down"]
+            side[int(m.group(3))] = _layer(parts, k, layout, path)
             continue
         try:
             target = model.get_submodule(path)

@@ -88,7 +88,8 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
 def _check_storable(model: nn.Module) -> None:
     """A checkpoint stores int8/int4 codes (QuantLinear); a GGUF's K-quant layers and quantized token table
     have no form in it."""
-    kept = sorted({type(m).__name__ for m in model.modules() if isinstance(m, (KQuantLinear, PartsLinear, QuantEmbedding))})
+    unstorable = (KQuantLinear, PartsLinear, QuantEmbedding)
+    kept = sorted({type(m).__name__ for m in model.modules() if isinstance(m, unstorable)})
     if kept:
         raise ConfigError(f"this GGUF's layers kept as {', '.join(kept)} cannot be stored in a tokenloom checkpoint; "
                           "pass --gguf-weights dequantize to re-quantize them, or serve the .gguf itself (its "
@@ -98,8 +99,10 @@ def _check_storable(model: nn.Module) -> None:
 def _check_round_trip(hf: dict[str, Any], cfg: ModelConfig) -> None:
     """The config.json written for a GGUF must read back as the model that was quantized."""
     back = ModelConfig.from_hf_dict(hf)
-    differ = [f.name for f in fields(ModelConfig) if f.name != "moe_layers" and getattr(back, f.name) != getattr(cfg, f.name)]
-    if [back.layer_is_moe(i) for i in range(cfg.num_hidden_layers)] != [cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers)]:
+    differ = [f.name for f in fields(ModelConfig)
+              if f.name != "moe_layers" and getattr(back, f.name) != getattr(cfg, f.name)]
+    layers = range(cfg.num_hidden_layers)
+    if [back.layer_is_moe(i) for i in layers] != [cfg.layer_is_moe(i) for i in layers]:
         differ.append("moe_layers")  # () and all-True both mean every layer
     if differ:
         raise ConfigError(f"{cfg.architecture}: this GGUF's config has no config.json form tokenloom reads back "
