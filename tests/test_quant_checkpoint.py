@@ -85,11 +85,11 @@ def test_gemma3_and_moe_checkpoints_match_on_the_fly_quantization(kind: str, tmp
         assert not isinstance(block.gate, QuantLinear)
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen3moe"])
-def test_gguf_gemma3_and_moe_checkpoints(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("kind", ["gemma3", "phi3", "qwen3moe"])
+def test_gguf_gemma3_phi3_and_moe_checkpoints(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     """From a GGUF the config.json is written from its metadata (Gemma 3's layer types, local RoPE base and
-    attention scale; the experts' sizes and routing) and reads back as the same config. K-quant layers kept as
+    attention scale; Phi-4-mini's partial rotary and LongRoPE factors; the experts' sizes and routing) and reads back as the same config. K-quant layers kept as
     they are have no form in a checkpoint: refused by name, unless dequantized and re-quantized."""
     from test_gemma3 import make_tiny_gemma, write_gemma3_gguf
     from test_moe_gguf_kept import write_tiny_moe_gguf
@@ -97,6 +97,14 @@ def test_gguf_gemma3_and_moe_checkpoints(kind: str, tmp_path: Path, monkeypatch:
     if kind == "gemma3":
         path = write_gemma3_gguf(make_tiny_gemma(tmp_path / "g", seed=53), tmp_path / "g.gguf")
         _assert_saved_matches_fly(path, tmp_path / "q", "int8", monkeypatch)
+        return
+    if kind == "phi3":
+        from conftest import make_tiny_model
+        from test_phi3 import CONFIGS, PHI3, write_phi3_gguf
+
+        kw = {k: v for k, v in CONFIGS["partial"].items() if k != "seed"}
+        folder = make_tiny_model(tmp_path / "p", arch="phi3", seed=54, **(PHI3 | kw))
+        _assert_saved_matches_fly(write_phi3_gguf(folder, tmp_path / "p.gguf"), tmp_path / "q", "int8", monkeypatch)
         return
     path = write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe")  # Q4_K / Q5_0 / Q6_K experts
     if weight_only.Int8Linear.kernel_module() is not None:  # kept only with the kernels
