@@ -289,7 +289,7 @@ def write_gguf(path: Path, arch: str, tokenizer: dict[str, Any] | None = None,
     return path
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "falcon", "phi3"])
+@pytest.mark.parametrize("arch", ["gpt2", "falcon", "phi2"])
 def test_unsupported_architecture_is_named(tmp_path: Path, arch: str) -> None:
     path = write_gguf(tmp_path / f"{arch}.gguf", arch)
     with pytest.raises(UnsupportedArchitecture, match=arch):

@@ -298,6 +298,17 @@ def _gguf_tensors(folder: Path, arch: str) -> dict[str, np.ndarray]:
     return out
 
 
+def hf_tokenizer_kv(folder: Path) -> dict[str, object]:
+    """The tiny model's byte-level BPE tokenizer (conftest.build_tokenizer) as GGUF tokenizer metadata."""
+    hf = json.loads((folder / "config.json").read_text())
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
+            "tokenizer.ggml.tokens": [t for t, _ in vocab], "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.eos_token_id": int(hf["eos_token_id"])}
+
+
 def write_moe_gguf(folder: Path, path: Path, arch: str, expert_type: object = None) -> Path:
     """The tiny HF model as a float32 GGUF: Mixtral as "llama" with experts, Qwen3-MoE as "qwen3moe", Qwen2-MoE
     as "qwen2moe"."""
@@ -306,12 +317,7 @@ def write_moe_gguf(folder: Path, path: Path, arch: str, expert_type: object = No
     from test_gguf import write_gguf
 
     hf = json.loads((folder / "config.json").read_text())
-    tok = json.loads((folder / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    tokenizer = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
-                 "tokenizer.ggml.tokens": [t for t, _ in vocab], "tokenizer.ggml.merges": merges,
-                 "tokenizer.ggml.eos_token_id": int(hf["eos_token_id"])}
+    tokenizer = hf_tokenizer_kv(folder)
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     hp = {"block_count": hf["num_hidden_layers"], "context_length": hf["max_position_embeddings"],
           "embedding_length": hf["hidden_size"], "feed_forward_length": hf["intermediate_size"],

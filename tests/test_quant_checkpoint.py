@@ -21,23 +21,34 @@ from tokenloom.quant.linear import QuantLinear
 def test_saved_checkpoint_matches_on_the_fly_quantization(
     tiny_llama: Path, tmp_path: Path, method: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    out = tmp_path / "q"
-    assert main(["quantize", "--model", str(tiny_llama), "--out", str(out), "--quantization", method,
-                 "--quant-group-size", "32"]) == 0
+    _assert_saved_matches_fly(tiny_llama, tmp_path / "q", method, monkeypatch)
+
+
+def _assert_saved_matches_fly(model: Path, out: Path, method: str, monkeypatch: pytest.MonkeyPatch,
+                              *extra: str) -> tuple[LLM, LLM]:
+    """`tokenloom quantize` of `model`, loaded back: the same quantized layers (codes, scales, mins) as
+    `--quantization` at load, none quantized again, and the same greedy ids and logprobs."""
+    assert main(["quantize", "--model", str(model), "--out", str(out), "--quantization", method,
+                 "--quant-group-size", "32", *extra]) == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"] == {"quant_method": "tokenloom", "bits": 4 if method == "int4" else 8,
                                           "group_size": 32, "code_layout": LAYOUT_VERSION}
     assert (out / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()
-    kw = dict(dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256)
-    fly = LLM(str(tiny_llama), quantization=method, quant_group_size=32, **kw)
+    kw = dict(dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=128)
+    gguf_weights = extra[extra.index("--gguf-weights") + 1] if "--gguf-weights" in extra else "keep"
+    fly = LLM(str(model), quantization=method, quant_group_size=32, gguf_weights=gguf_weights, **kw)
 
     def no_requantization(*a: object, **k: object) -> None:
         raise AssertionError("the checkpoint's layers were quantized again")
 
-    monkeypatch.setattr(weight_only.Int8Linear, "from_linear", no_requantization)
-    monkeypatch.setattr(weight_only.Int4Linear, "from_linear", no_requantization)
-    saved = LLM(str(out), **kw)
+    with monkeypatch.context() as m:
+        m.setattr(weight_only.Int8Linear, "from_linear", no_requantization)
+        m.setattr(weight_only.Int4Linear, "from_linear", no_requantization)
+        m.setattr(weight_only, "quantize_int8", no_requantization)
+        m.setattr(weight_only, "quantize_int4", no_requantization)
+        saved = LLM(str(out), **kw)
     a, b = fly.engine.loaded.model, saved.engine.loaded.model
+    assert saved.engine.loaded.config == fly.engine.loaded.config
     fly_layers = {n: m for n, m in a.named_modules() if isinstance(m, QuantLinear)}
     saved_layers = {n: m for n, m in b.named_modules() if isinstance(m, QuantLinear)}
     assert fly_layers.keys() == saved_layers.keys() and "lm_head" in saved_layers
@@ -50,6 +61,56 @@ def test_saved_checkpoint_matches_on_the_fly_quantization(
     x, y = fly.generate(["The quick brown fox"], sp)[0].outputs[0], saved.generate(["The quick brown fox"], sp)[0].outputs[0]
     assert x.token_ids == y.token_ids
     assert [p.logprob for p in x.logprobs] == [p.logprob for p in y.logprobs]
+    return fly, saved
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "mixtral", "qwen2moe"])
+def test_gemma3_and_moe_checkpoints_match_on_the_fly_quantization(kind: str, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3 (sliding and global layers, (1 + w) norms) and MoE models: each expert's gate_up and down are
+    quantized layers of their own (stored per expert), the router stays float; Qwen2-MoE's shared expert too."""
+    from test_gemma3 import make_tiny_gemma
+    from test_moe import make_tiny_moe
+
+    from tokenloom.models.moe import QuantExperts, SparseMoE
+
+    folder = (make_tiny_gemma(tmp_path / kind, seed=51) if kind == "gemma3"
+              else make_tiny_moe(tmp_path / kind, kind, seed=52))
+    _, saved = _assert_saved_matches_fly(folder, tmp_path / "q", "int4", monkeypatch)
+    blocks = [m for m in saved.engine.loaded.model.modules() if isinstance(m, SparseMoE)]
+    assert bool(blocks) == (kind != "gemma3")
+    for block in blocks:
+        assert isinstance(block.experts, QuantExperts) and block.experts_gate_up is None
+        assert all(isinstance(m, QuantLinear) for m in [*block.experts.gate_up, *block.experts.down])
+        assert not isinstance(block.gate, QuantLinear)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "phi3", "qwen3moe"])
+def test_gguf_gemma3_phi3_and_moe_checkpoints(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """From a GGUF the config.json is written from its metadata (Gemma 3's layer types, local RoPE base and
+    attention scale; Phi-4-mini's partial rotary and LongRoPE factors; the experts' sizes and routing) and reads back as the same config. K-quant layers kept as
+    they are have no form in a checkpoint: refused by name, unless dequantized and re-quantized."""
+    from test_gemma3 import make_tiny_gemma, write_gemma3_gguf
+    from test_moe_gguf_kept import write_tiny_moe_gguf
+
+    if kind == "gemma3":
+        path = write_gemma3_gguf(make_tiny_gemma(tmp_path / "g", seed=53), tmp_path / "g.gguf")
+        _assert_saved_matches_fly(path, tmp_path / "q", "int8", monkeypatch)
+        return
+    if kind == "phi3":
+        from conftest import make_tiny_model
+        from test_phi3 import CONFIGS, PHI3, write_phi3_gguf
+
+        kw = {k: v for k, v in CONFIGS["partial"].items() if k != "seed"}
+        folder = make_tiny_model(tmp_path / "p", arch="phi3", seed=54, **(PHI3 | kw))
+        _assert_saved_matches_fly(write_phi3_gguf(folder, tmp_path / "p.gguf"), tmp_path / "q", "int8", monkeypatch)
+        return
+    path = write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe")  # Q4_K / Q5_0 / Q6_K experts
+    if weight_only.Int8Linear.kernel_module() is not None:  # kept only with the kernels
+        assert main(["quantize", "--model", str(path), "--out", str(tmp_path / "k"), "--quantization", "int8"]) == 2
+        assert "KQuantLinear" in capsys.readouterr().err and not (tmp_path / "k").exists()
+    _assert_saved_matches_fly(path, tmp_path / "q", "int8", monkeypatch, "--gguf-weights", "dequantize")
 
 
 def test_quantize_rejects_a_bad_method(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

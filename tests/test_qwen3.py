@@ -70,7 +70,7 @@ def _prefill_logits(llm: object, ids: list[int]) -> torch.Tensor:
     backend = model.layers[0].self_attn.backend
     block, n = 16, len(ids)
     n_blocks = (n + block - 1) // block
-    caches = [LayerKVCache.allocate(n_blocks, block, cfg.num_key_value_heads, cfg.head_dim, torch.float32,
+    caches = [LayerKVCache.allocate(n_blocks, block, cfg.num_key_value_heads, cfg.head_dim, loaded.dtype,
                                     KVCacheFormat.MODEL_DTYPE, torch.device("cpu"))
               for _ in range(cfg.num_hidden_layers)]
     meta = AttentionMetadata([0, n], [n], torch.arange(n_blocks).view(1, -1), torch.arange(n), block)

@@ -27,7 +27,8 @@ from tokenloom.attention.base import AttentionBackend, AttentionMetadata
 from tokenloom.attention.paged_kv import LayerKVCache
 from tokenloom.errors import ModelLoadError
 from tokenloom.models.config import ModelConfig, RopeScaling
-from tokenloom.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
+from tokenloom.models.layers import (Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, expected_slots,
+                                     load_packed, packing)
 
 CosSin = tuple[torch.Tensor, torch.Tensor]  # RoPE cos, sin per token: (T, 1, head_dim) each
 
@@ -185,32 +186,16 @@ class Gemma3ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, packing q/k/v into qkv_proj and gate/up into gate_up_proj."""
         params = dict(self.named_parameters())
-        a, inter = self.layers[0].self_attn, self.config.intermediate_size
-        packed = {"q_proj": ("qkv_proj", 0, a.q_size), "k_proj": ("qkv_proj", a.q_size, a.kv_size),
-                  "v_proj": ("qkv_proj", a.q_size + a.kv_size, a.kv_size),
-                  "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter)}
+        a = self.layers[0].self_attn
+        pack = packing(a.q_size, a.kv_size, self.config.intermediate_size)
+        tied = self.config.tie_word_embeddings
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if name == "lm_head.weight" and tied:
                 continue
-            target, rows = name, None
-            for part, (fused, start, size) in packed.items():
-                if f".{part}." in name:
-                    target, rows = name.replace(part, fused), (start, size)
-            if target not in params:
-                raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
-            dest = params[target].data if rows is None else params[target].data.narrow(0, *rows)
-            if dest.shape != tensor.shape:
-                raise ModelLoadError(f"tensor {name!r}: shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            loaded.add(target if rows is None else f"{target}:{rows[0]}")
-        expected: set[str] = set()
-        for name, _ in self.named_parameters():
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            fused_rows = [start for fused, start, _ in packed.values() if f".{fused}." in name]
-            expected.update([f"{name}:{s}" for s in fused_rows] if fused_rows else [name])
+            loaded |= load_packed(params, name, tensor, pack)
+        expected = expected_slots((n for n in params if not (tied and n == "lm_head.weight")), pack)
         missing = sorted(expected - loaded)
         if missing:
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tokenloom.errors import ConfigError, ModelLoadError, UnsupportedArchitecture
-from tokenloom.models.config import ModelConfig, RopeScaling
+from tokenloom.models.config import ModelConfig, RopeScaling, parse_rope_scaling
 from tokenloom.models.gguf_file import GGUFFile, read_gguf
 from tokenloom.models.gguf_tokenizer import tokenizer_from_gguf
 from tokenloom.tokenizer import Tokenizer
@@ -36,6 +36,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",  # Phi-3 and Phi-4-mini: fused attn_qkv, ffn_up holding gate then up rows
 }
 # Architectures whose converter permuted attn_q/attn_k rows for GGML's interleaved RoPE.
 ROPE_PERMUTED = {"llama"}
@@ -80,7 +81,7 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
     n_kv = _uniform(key("attention.head_count_kv", n_heads), f"{arch}.attention.head_count_kv")
     head_dim = int(md.get(f"{arch}.attention.key_length", hidden // n_heads))
     rope_dim = int(md.get(f"{arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and arch != "phi3":  # Phi-4-mini turns the first 3/4 of each head (NEOX-style halves)
         raise UnsupportedArchitecture(f"{arch}: partial rotary embedding (rope dim {rope_dim} of head dim {head_dim})")
     theta = float(md.get(f"{arch}.rope.freq_base", 10000.0))
     context = int(key("context_length"))
@@ -105,15 +106,17 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         max_position_embeddings=context,
         rms_norm_eps=float(md.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=theta,
-        rope_scaling=_rope_scaling(f, arch, theta, head_dim),
+        rope_scaling=_rope_scaling(f, arch, theta, head_dim, rope_dim),
         tie_word_embeddings="output.weight" not in f.tensors,
         attention_bias="blk.0.attn_q.bias" in f.tensors,
         o_proj_bias="blk.0.attn_output.bias" in f.tensors,
         qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
+        partial_rotary_factor=rope_dim / head_dim,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
         **moe,
         **_gemma_config(f, arch, hidden // n_heads, head_dim),
+        **_phi3_config(f, arch),
     )
 
 
@@ -167,6 +170,14 @@ def _gemma_config(f: GGUFFile, arch: str, hidden_per_head: int, head_dim: int) -
     )
 
 
+def _phi3_config(f: GGUFFile, arch: str) -> dict[str, Any]:
+    """Phi-3's window: llama.cpp's converter writes the config's sliding_window, 0 for none (Phi-4-mini)."""
+    if arch != "phi3":
+        return {}
+    window = int(f.metadata.get(f"{arch}.attention.sliding_window", 0) or 0)
+    return dict(sliding_window=window or None)
+
+
 def _uniform(value: Any, name: str) -> int:
     """A per-layer array must hold one value (tokenloom has no per-layer head counts)."""
     values = {int(v) for v in np.atleast_1d(value)}
@@ -175,8 +186,10 @@ def _uniform(value: Any, name: str) -> int:
     return values.pop()
 
 
-def _rope_scaling(f: GGUFFile, arch: str, theta: float, head_dim: int) -> RopeScaling:
+def _rope_scaling(f: GGUFFile, arch: str, theta: float, head_dim: int, rope_dim: int) -> RopeScaling:
     md = f.metadata
+    if arch == "phi3" and "rope_factors_long.weight" in f.tensors:
+        return _phi3_longrope(f, arch, rope_dim)
     kind = str(md.get(f"{arch}.rope.scaling.type", "none"))
     factor = float(md.get(f"{arch}.rope.scaling.factor", 1.0))
     orig = md.get(f"{arch}.rope.scaling.original_context_length")
@@ -197,6 +210,26 @@ def _rope_scaling(f: GGUFFile, arch: str, theta: float, head_dim: int) -> RopeSc
             beta_slow=float(md.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
         )
     raise UnsupportedArchitecture(f"{arch}: unsupported rope scaling type {kind!r}")
+
+
+def _phi3_longrope(f: GGUFFile, arch: str, rope_dim: int) -> RopeScaling:
+    """LongRoPE from what llama.cpp's Phi-3 converter writes: the long and short factors as tensors (rope_dim/2
+    each), the original context length, and the attention factor (it computes transformers' value,
+    sqrt(1 + ln s / ln original) for s = context / original > 1; read when present, else computed)."""
+    md = f.metadata
+    orig = md.get(f"{arch}.rope.scaling.original_context_length")
+    if orig is None or "rope_factors_short.weight" not in f.tensors:
+        raise ModelLoadError(f"{f.path}: phi3 rope_factors_long needs rope_factors_short and "
+                             f"{arch}.rope.scaling.original_context_length")
+    short, long = (f.tensor(f"rope_factors_{k}.weight").flatten().tolist() for k in ("short", "long"))
+    attention = md.get(f"{arch}.rope.scaling.attn_factor")
+    d = {"short_factor": short, "long_factor": long}
+    if attention is not None:
+        d["attention_factor"] = float(attention)
+    try:
+        return parse_rope_scaling(d | {"rope_type": "longrope"}, int(md[f"{arch}.context_length"]), int(orig), rope_dim)
+    except UnsupportedArchitecture as e:
+        raise ModelLoadError(f"{f.path}: {e}") from e
 
 
 def _llama3_scaling(freq_factors: torch.Tensor, theta: float, head_dim: int) -> RopeScaling:
@@ -259,6 +292,10 @@ _LAYER_TENSORS = {
 _GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                         "post_attention_norm.weight": "post_attention_layernorm.weight",
                         "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+# Phi-3: q/k/v in one tensor, and ffn_up holding gate's rows then up's (transformers' gate_up_proj).
+_PHI3_LAYER_TENSORS = {**_LAYER_TENSORS, "attn_qkv.weight": "self_attn.qkv_proj.weight",
+                       "ffn_up.weight": "mlp.gate_up_proj.weight"}
+_PHI3_GLOBAL = {"rope_factors_long.weight", "rope_factors_short.weight"}  # read into the config (LongRoPE)
 _DENSE_FFN = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 _MOE_FFN = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 _SHARED_FFN = ("ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
@@ -266,12 +303,17 @@ _CONSUMED = {"rope_freqs.weight"}  # read into the config, not a weight
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
+def _layer_table(arch: str) -> dict[str, str]:
+    return _GEMMA_LAYER_TENSORS if arch in GEMMA_ARCHITECTURES else _PHI3_LAYER_TENSORS if arch == "phi3" \
+        else _LAYER_TENSORS
+
+
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """llama.cpp tensor name -> HF name (None for names the llama/qwen2/qwen3 families do not have)."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    table = _GEMMA_LAYER_TENSORS if arch in GEMMA_ARCHITECTURES else _LAYER_TENSORS
+    table = _layer_table(arch)
     if m and m.group(2) in table:
         return f"model.layers.{m.group(1)}.{table[m.group(2)]}"
     return None
@@ -285,7 +327,7 @@ def state_dict_from_gguf(f: GGUFFile, config: ModelConfig, dtype: torch.dtype,
     jobs: list[tuple[str, int | None]] = []  # (GGUF name, heads whose RoPE rows to un-permute)
     names: list[str] = []
     for name in f.tensors:
-        if name in _CONSUMED or name in skip:
+        if name in _CONSUMED or name in skip or (arch == "phi3" and name in _PHI3_GLOBAL):
             continue
         hf_name = hf_tensor_name(name, arch)
         if hf_name is None:
@@ -302,7 +344,7 @@ def state_dict_from_gguf(f: GGUFFile, config: ModelConfig, dtype: torch.dtype,
         return w if permute is None else unpermute_rope_rows(w, permute)
 
     out = dict(zip(names, _map_single_threaded(load, jobs)))
-    _check_complete(out, config, f.path, {n for s in skip if (n := hf_tensor_name(s)) is not None})
+    _check_complete(out, config, f.path, {n for s in skip if (n := hf_tensor_name(s, arch)) is not None}, arch)
     return out
 
 
@@ -336,14 +378,17 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _check_complete(sd: dict[str, torch.Tensor], config: ModelConfig, path: Path, elsewhere: set[str]) -> None:
+def _check_complete(sd: dict[str, torch.Tensor], config: ModelConfig, path: Path, elsewhere: set[str],
+                    arch: str) -> None:
     needed = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         needed.append("lm_head.weight")
     optional = {"attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias", "attn_q_norm.weight",
                 "attn_k_norm.weight", *_DENSE_FFN, *_MOE_FFN, *_SHARED_FFN}  # the FFN's: per layer below
-    table = _GEMMA_LAYER_TENSORS if config.family == "gemma" else _LAYER_TENSORS
-    wanted = [k for k in table if k not in optional]
+    table = _layer_table(arch)
+    fused = arch == "phi3"  # attn_qkv for attn_q/k/v; ffn_up for ffn_gate + ffn_up
+    optional |= {"attn_qkv.weight"} | ({"attn_q.weight", "attn_k.weight", "attn_v.weight"} if fused else set())
+    wanted = [k for k in table if k not in optional] + (["attn_qkv.weight"] if fused else [])
     if config.attention_bias:
         wanted += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
     if config.o_proj_bias:
@@ -353,8 +398,9 @@ def _check_complete(sd: dict[str, torch.Tensor], config: ModelConfig, path: Path
     per_layer = [table[k] for k in wanted]
     needed += [f"model.layers.{i}.{n}" for i in range(config.num_hidden_layers) for n in per_layer]
     moe_ffn = _MOE_FFN + (_SHARED_FFN if config.shared_expert_intermediate_size else ())
-    needed += [f"model.layers.{i}.{_LAYER_TENSORS[k]}" for i in range(config.num_hidden_layers)
-               for k in (moe_ffn if config.layer_is_moe(i) else _DENSE_FFN)]
+    dense_ffn = ("ffn_up.weight", "ffn_down.weight") if fused else _DENSE_FFN
+    needed += [f"model.layers.{i}.{table[k]}" for i in range(config.num_hidden_layers)
+               for k in (moe_ffn if config.layer_is_moe(i) else dense_ffn)]
     missing = [n for n in needed if n not in sd and n not in elsewhere]
     if missing:
         raise ModelLoadError(f"{path}: GGUF lacks {len(missing)} tensors, e.g. {missing[:3]}")

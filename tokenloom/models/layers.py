@@ -1,14 +1,17 @@
-"""Layers shared by the model families: Linear, RMSNorm, rotary embedding (with scaling), SwiGLU MLP."""
+"""Layers shared by the model families: Linear, RMSNorm, rotary embedding (with scaling), SwiGLU MLP, and the
+packing of a checkpoint's q/k/v and gate/up tensors into the fused qkv_proj / gate_up_proj parameters."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenloom.errors import ModelLoadError
 from tokenloom.kernels.limits import PACKED_MAX_ROWS, SKINNY_MAX_ROWS
 from tokenloom.models.config import RopeScaling
 
@@ -228,3 +231,44 @@ class SwiGLU(nn.Module):
             return self.down_proj(self.kernels.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+# --- packing checkpoint tensors into fused parameters ----------------------------------------------------------
+
+Packing = dict[str, tuple[str, int, int]]  # checkpoint part ("q_proj") -> (fused parameter part, first row, rows)
+
+
+def packing(q_size: int, kv_size: int, intermediate_size: int) -> Packing:
+    """q/k/v rows stacked in qkv_proj (q first), gate/up rows in gate_up_proj (gate first)."""
+    return {"q_proj": ("qkv_proj", 0, q_size), "k_proj": ("qkv_proj", q_size, kv_size),
+            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+            "gate_proj": ("gate_up_proj", 0, intermediate_size),
+            "up_proj": ("gate_up_proj", intermediate_size, intermediate_size)}
+
+
+def load_packed(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, pack: Packing) -> set[str]:
+    """Copy one checkpoint tensor (named as the model's parameters, e.g. "layers.0.self_attn.k_proj.weight") into
+    its parameter, or its rows of a fused one; returns the slots it filled ("<param>" or "<param>:<first row>").
+    A fused tensor the checkpoint holds whole (Phi-3's qkv_proj, gate_up_proj) fills every slot of its parameter."""
+    target, rows = name, None
+    for part, (fused, start, size) in pack.items():
+        if f".{part}." in name:
+            target, rows = name.replace(part, fused), (start, size)
+    if target not in params:
+        raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
+    dest = params[target].data if rows is None else params[target].data.narrow(0, *rows)
+    if dest.shape != tensor.shape:
+        raise ModelLoadError(f"tensor {name!r}: shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    dest.copy_(tensor)
+    return {f"{target}:{rows[0]}"} if rows is not None else packed_slots(target, pack)
+
+
+def packed_slots(param: str, pack: Packing) -> set[str]:
+    """The slots a parameter has: one per part packed into it, else the parameter itself."""
+    starts = [start for fused, start, _ in pack.values() if f".{fused}." in param]
+    return {f"{param}:{s}" for s in starts} if starts else {param}
+
+
+def expected_slots(params: Iterable[str], pack: Packing) -> set[str]:
+    """Every slot of `params` a checkpoint must fill (see load_packed)."""
+    return {slot for name in params for slot in packed_slots(name, pack)}

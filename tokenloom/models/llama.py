@@ -20,7 +20,8 @@ from tokenloom.attention.base import AttentionBackend, AttentionMetadata
 from tokenloom.attention.paged_kv import LayerKVCache
 from tokenloom.errors import ModelLoadError
 from tokenloom.models.config import ModelConfig
-from tokenloom.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
+from tokenloom.models.layers import (Linear, Packing, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, expected_slots,
+                                     load_packed, packing)
 from tokenloom.models.moe import SparseMoE
 
 KVCache = LayerKVCache  # one per layer
@@ -125,9 +126,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors in, packing q/k/v into qkv_proj and gate/up into gate_up_proj."""
         params = dict(self.named_parameters())
         a = self.layers[0].self_attn
-        qkv_offsets = {"q_proj": (0, a.q_size), "k_proj": (a.q_size, a.kv_size), "v_proj": (a.q_size + a.kv_size, a.kv_size)}
-        inter = self.config.intermediate_size
-        gate_up_offsets = {"gate_proj": (0, inter), "up_proj": (inter, inter)}
+        pack = packing(a.q_size, a.kv_size, self.config.intermediate_size)
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.startswith("model."):
@@ -141,25 +140,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            target, offset = name, None
-            fused = next((t for p, t in (("qkv_proj", qkv_offsets), ("gate_up_proj", gate_up_offsets))
-                          if f".{p}." in name), None)  # Phi-3: the checkpoint holds the fused tensor itself
-            for packed, table in (("qkv_proj", qkv_offsets), ("gate_up_proj", gate_up_offsets)):
-                for part, off in table.items():
-                    if f".{part}." in name:
-                        target, offset = name.replace(part, packed), off
-            if target not in params:
-                raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
-            param = params[target]
-            dest = param.data if offset is None else param.data.narrow(0, offset[0], offset[1])
-            if dest.shape != tensor.shape:
-                raise ModelLoadError(f"tensor {name!r}: shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            if fused is not None:
-                loaded.update(f"{target}:{off[0]}" for off in fused.values())
-            else:
-                loaded.add(name if offset is None else f"{target}:{offset[0]}")
-        expected = _expected_keys(self, qkv_offsets, gate_up_offsets)
+            loaded |= load_packed(params, name, tensor, pack)  # Phi-3: qkv_proj / gate_up_proj come whole
+        expected = _expected_keys(self, pack)
         missing = sorted(expected - loaded)
         if missing:
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
@@ -169,21 +151,13 @@ _MOE_TENSOR = re.compile(r"layers\.(\d+)\.(?:block_sparse_moe|mlp)\."
                          r"((?:gate|experts|shared_expert|shared_expert_gate)\..+)")
 
 
-def _expected_keys(
-    model: LlamaForCausalLM, qkv: dict[str, tuple[int, int]], gate_up: dict[str, tuple[int, int]]
-) -> set[str]:
+def _expected_keys(model: LlamaForCausalLM, pack: Packing) -> set[str]:
     keys: set[str] = set()
     for i, layer in enumerate(model.layers):
         if isinstance(layer.mlp, SparseMoE):
             keys.update(f"layers.{i}.mlp:{s}" for s in layer.mlp.expected_slots())
-    for name, _ in model.named_parameters():
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue
-        if re.fullmatch(r"layers\.\d+\.mlp\.(gate\.weight|experts_gate_up|experts_down|shared_expert.*)", name):
-            continue  # a MoE block's: counted in its slots above
-        table = qkv if ".qkv_proj." in name else gate_up if ".gate_up_proj." in name else None
-        if table is None:
-            keys.add(name)
-        else:
-            keys.update(f"{name}:{off[0]}" for off in table.values())
-    return keys
+    # a MoE block's parameters are counted in its slots above
+    moe = re.compile(r"layers\.\d+\.mlp\.(gate\.weight|experts_gate_up|experts_down|shared_expert.*)")
+    names = [n for n, _ in model.named_parameters()
+             if not (n == "lm_head.weight" and model.config.tie_word_embeddings) and not moe.fullmatch(n)]
+    return keys | expected_slots(names, pack)

@@ -25,6 +25,7 @@ from tokenloom.models.gguf_kept import kept_layers
 from tokenloom.models.gguf_tokenizer import tokenizer_from_gguf
 from tokenloom.models.gemma import Gemma3ForCausalLM
 from tokenloom.models.llama import LlamaForCausalLM
+from tokenloom.models.moe import QuantExperts, SparseMoE
 from tokenloom.quant.checkpoint import check_quantization_config, split_stored, stored_layers
 from tokenloom.tokenizer import Tokenizer
 
@@ -117,7 +118,11 @@ def load_model(
         quantized.update(stored_layers(stored, model, layout))
     for name, layer in quantized.items():
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, layer)
+        owner = model.get_submodule(parent) if parent else model
+        if isinstance(owner, SparseMoE) and isinstance(layer, QuantExperts):
+            owner.set_experts(layer)  # drops the float expert stacks before they are allocated
+        else:
+            setattr(owner, attr, layer)
     _materialize(model, device, dt)
     with torch.inference_mode():
         model.load_weights(weights)

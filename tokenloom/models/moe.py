@@ -15,6 +15,11 @@ The experts are stored stacked: `experts_gate_up` (E, 2I, H) with gate rows befo
 one gate_up and one down matmul per ACTIVE expert over the rows routed to it, so a decode step reads only the
 k experts its token chose: on CPU, where decode is bound by weight reads, that is what makes a MoE model as
 fast as a dense model of its active size. `reference` (per token, float32) is its test oracle.
+
+A GGUF's expert stacks can stay quantized instead (models/gguf_kept.py): `set_experts` installs a QuantExperts,
+one quantized gate_up layer (n, H) -> (n, 2I) and down layer (n, I) -> (n, H) per expert, and drops the float
+stacks; the batched path then runs each active expert's quantized layers on its rows (its blocks read once per
+step), and the reference reads their float32 dequantization.
 """
 
 from __future__ import annotations
@@ -45,6 +50,22 @@ _SKINNY_EXPERT_ROWS = min(3, SKINNY_MAX_ROWS)
 _SHARED = re.compile(r"shared_expert\.(gate_proj|up_proj|down_proj)\.weight")
 
 
+class QuantExperts(nn.Module):
+    """Each expert's quantized layers (Int8Linear, Int4Linear, KQuantLinear or a PartsLinear of them): gate_up[e]
+    (n, H) -> (n, 2I) with gate's outputs first, down[e] (n, I) -> (n, H); each has `dequantize()` (float32)."""
+
+    def __init__(self, gate_up: list[nn.Module], down: list[nn.Module]) -> None:
+        super().__init__()
+        if not gate_up or len(gate_up) != len(down):
+            raise ModelLoadError(f"quantized experts: {len(gate_up)} gate/up layers and {len(down)} down layers")
+        self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
+
+
+def _float_weight(layer: nn.Module) -> torch.Tensor:
+    """A float or quantized layer's (N, K) weight in float32 on the CPU."""
+    return layer.weight.float().cpu() if isinstance(layer, nn.Linear) else layer.dequantize()
+
+
 def route(logits: torch.Tensor, k: int, router: str, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, E) router logits -> (T, k) float32 weights and (T, k) int64 expert ids, for all tokens at once."""
     if router == "topk_softmax":
@@ -69,6 +90,7 @@ class SparseMoE(nn.Module):
         self.gate = Linear(h, e, bias=False)  # the router: (T, H) -> (T, E) logits
         self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
         self.experts_down = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        self.experts: QuantExperts | None = None  # set_experts: quantized experts in place of the two stacks
         s = cfg.shared_expert_intermediate_size
         self.shared_expert = SwiGLU(h, s, bias=False) if s else None
         self.shared_expert_gate = Linear(h, 1, bias=False) if s else None  # (T, H) -> (T, 1), through a sigmoid
@@ -97,13 +119,30 @@ class SparseMoE(nn.Module):
             out += (torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)).float()
         return out.to(x.dtype)
 
+    def set_experts(self, experts: QuantExperts) -> None:
+        """Run on quantized experts: `experts` replaces the float stacks, which are dropped (never allocated
+        when called on the meta-device model before loading)."""
+        if len(experts.gate_up) != self.num_experts:
+            raise ModelLoadError(f"{len(experts.gate_up)} quantized experts for a {self.num_experts}-expert block")
+        self.experts_gate_up, self.experts_down = None, None  # type: ignore[assignment]
+        self.experts = experts
+
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         """Expert `e`'s SwiGLU on its (n, H) rows -> (n, H); reads only this expert's weights."""
-        gate_up = self._linear(x, self.experts_gate_up[e])  # (n, 2I)
+        q = self.experts
+        gate_up = q.gate_up[e](x) if q is not None else self._linear(x, self.experts_gate_up[e])  # (n, 2I)
         if self.kernels is not None and gate_up.is_cpu:
-            return self._linear(self.kernels.silu_and_mul(gate_up), self.experts_down[e])
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self._linear(F.silu(gate) * up, self.experts_down[e])
+            h = self.kernels.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            h = F.silu(gate) * up
+        return q.down[e](h) if q is not None else self._linear(h, self.experts_down[e])
+
+    def _expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (2I, H) gate_up and (H, I) down weights in float32 on the CPU (the reference's)."""
+        if self.experts is not None:
+            return self.experts.gate_up[e].dequantize(), self.experts.down[e].dequantize()
+        return self.experts_gate_up[e].float().cpu(), self.experts_down[e].float().cpu()
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # A decode step's few rows per expert: the C++ kernel streams the expert's weight once (as Linear does).
@@ -128,14 +167,15 @@ class SparseMoE(nn.Module):
                 if self.norm_topk_prob:
                     weights = weights / weights.sum()
             for w, e in zip(weights.tolist(), ids.tolist()):
-                gate_up = self.experts_gate_up[e].float().cpu() @ xt  # (2I,)
+                w_gate_up, w_down = self._expert_weights(e)
+                gate_up = w_gate_up @ xt  # (2I,)
                 h = F.silu(gate_up[: self.intermediate_size]) * gate_up[self.intermediate_size :]
-                out[t] += w * (self.experts_down[e].float().cpu() @ h)
+                out[t] += w * (w_down @ h)
             if self.shared_expert is not None and self.shared_expert_gate is not None:
                 s = self.shared_expert.intermediate_size
-                gate_up = self.shared_expert.gate_up_proj.weight.float().cpu() @ xt  # (2S,)
+                gate_up = _float_weight(self.shared_expert.gate_up_proj) @ xt  # (2S,)
                 h = F.silu(gate_up[:s]) * gate_up[s:]
-                shared = self.shared_expert.down_proj.weight.float().cpu() @ h
+                shared = _float_weight(self.shared_expert.down_proj) @ h
                 out[t] += torch.sigmoid(self.shared_expert_gate.weight.float().cpu() @ xt) * shared
         return out.to(device=x.device, dtype=x.dtype)
 
@@ -145,6 +185,8 @@ class SparseMoE(nn.Module):
         """Copy one checkpoint tensor named relative to the block ("gate.weight", "experts.3.w1.weight",
         "experts.gate_up_proj", ...) into place; returns the slots it filled (see `expected_slots`)."""
         e_count, inter = self.num_experts, self.intermediate_size
+        if name.startswith("experts.") and self.experts is not None:
+            raise ModelLoadError(f"expert tensor {name!r} for a block whose experts are already quantized")
         if name == "gate.weight":
             dest, slots = self.gate.weight.data, ["gate"]
         elif name in ("experts.gate_up_proj", "experts.gate_up_proj.weight"):  # (E, 2I, H), gate rows first
@@ -182,7 +224,15 @@ class SparseMoE(nn.Module):
         return slots
 
     def expected_slots(self) -> set[str]:
-        """Every slot `load_weight` must fill: the router, each expert's gate, up and down, the shared expert's."""
-        shared = ({"shared_gate", "shared:gate_proj", "shared:up_proj", "shared:down_proj"}
-                  if self.shared_expert is not None else set())
-        return {"gate"} | shared | {f"{s}:{e}" for e in range(self.num_experts) for s in ("gate", "up", "down")}
+        """Every slot `load_weight` must fill: the router, each expert's gate, up and down (unless quantized experts
+        are installed), the shared expert's."""
+        shared: set[str] = set()
+        if self.shared_expert is not None:  # its float layers (a quantized checkpoint stores its layers quantized)
+            shared.add("shared_gate")
+            if isinstance(self.shared_expert.gate_up_proj, nn.Linear):
+                shared |= {"shared:gate_proj", "shared:up_proj"}
+            if isinstance(self.shared_expert.down_proj, nn.Linear):
+                shared.add("shared:down_proj")
+        experts = ({f"{s}:{e}" for e in range(self.num_experts) for s in ("gate", "up", "down")}
+                   if self.experts is None else set())
+        return {"gate"} | shared | experts

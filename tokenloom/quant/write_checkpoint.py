@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,11 @@ from tokenloom.errors import ConfigError
 from tokenloom.models.config import ModelConfig
 from tokenloom.models.loader import LoadedModel, load_model
 from tokenloom.quant.checkpoint import QUANT_METHOD
+from tokenloom.quant.embedding import QuantEmbedding
+from tokenloom.quant.kquant import KQuantLinear
 from tokenloom.quant.layout import LAYOUT_VERSION
 from tokenloom.quant.linear import QuantLinear
+from tokenloom.quant.parts import PartsLinear
 from tokenloom.quant.weight_only import QUANTIZATIONS, quantize_model
 
 _PARTS = ("codes", "scales", "mins", "bias")  # a quantized layer's buffers, stored as `<module path>.<part>`
@@ -35,6 +39,7 @@ def quantize_checkpoint(model: str | None, out: Path, method: str, group_size: i
     if method not in QUANTIZATIONS:
         raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
     loaded = load_model(model, "bfloat16", torch.device("cpu"), ReferenceBackend(), gguf_weights=gguf_weights)
+    _check_storable(loaded.model)
     quantize_model(loaded.model, method, group_size)
     out.mkdir(parents=True, exist_ok=True)
     tensors = _state(loaded.model)
@@ -46,6 +51,7 @@ def quantize_checkpoint(model: str | None, out: Path, method: str, group_size: i
                 shutil.copyfile(loaded.path / name, out / name)
     else:
         hf = hf_config(loaded.config)
+        _check_round_trip(hf, loaded.config)
         _write_tokenizer(loaded, out)
     hf["torch_dtype"] = "bfloat16"
     hf["quantization_config"] = {"quant_method": QUANT_METHOD, "bits": 4 if method == "int4" else 8,
@@ -79,6 +85,30 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _check_storable(model: nn.Module) -> None:
+    """A checkpoint stores int8/int4 codes (QuantLinear); a GGUF's K-quant layers and quantized token table
+    have no form in it."""
+    unstorable = (KQuantLinear, PartsLinear, QuantEmbedding)
+    kept = sorted({type(m).__name__ for m in model.modules() if isinstance(m, unstorable)})
+    if kept:
+        raise ConfigError(f"this GGUF's layers kept as {', '.join(kept)} cannot be stored in a tokenloom checkpoint; "
+                          "pass --gguf-weights dequantize to re-quantize them, or serve the .gguf itself (its "
+                          "K-quants stay quantized)")
+
+
+def _check_round_trip(hf: dict[str, Any], cfg: ModelConfig) -> None:
+    """The config.json written for a GGUF must read back as the model that was quantized."""
+    back = ModelConfig.from_hf_dict(hf)
+    differ = [f.name for f in fields(ModelConfig)
+              if f.name != "moe_layers" and getattr(back, f.name) != getattr(cfg, f.name)]
+    layers = range(cfg.num_hidden_layers)
+    if [back.layer_is_moe(i) for i in layers] != [cfg.layer_is_moe(i) for i in layers]:
+        differ.append("moe_layers")  # () and all-True both mean every layer
+    if differ:
+        raise ConfigError(f"{cfg.architecture}: this GGUF's config has no config.json form tokenloom reads back "
+                          f"({', '.join(differ)} would differ)")
+
+
 def _hf_prefix(name: str) -> str:
     return name if name.startswith("lm_head") else f"model.{name}"
 
@@ -90,7 +120,10 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "rope_type": r.kind, "factor": r.factor, "original_max_position_embeddings": r.original_max_position_embeddings,
         "low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor,
         "beta_fast": r.beta_fast, "beta_slow": r.beta_slow}
-    return {
+    if r.kind == "longrope" and rope is not None:  # Phi-3
+        rope |= {"short_factor": list(r.short_factor), "long_factor": list(r.long_factor),
+                 "attention_factor": r.attention_factor}
+    return _gemma_hf(cfg) | _moe_hf(cfg) | {
         "architectures": [cfg.architecture], "model_type": cfg.architecture.removesuffix("ForCausalLM").lower(),
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
@@ -100,7 +133,31 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "attention_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias, "sliding_window": cfg.sliding_window,
         "use_sliding_window": cfg.sliding_window is not None, "hidden_act": cfg.hidden_act,
         "bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids),
+        "partial_rotary_factor": cfg.partial_rotary_factor,
     }
+
+
+def _gemma_hf(cfg: ModelConfig) -> dict[str, Any]:
+    if cfg.family != "gemma":
+        return {}
+    return {"layer_types": list(cfg.layer_types), "rope_local_base_freq": cfg.rope_local_theta,
+            "query_pre_attn_scalar": cfg.query_pre_attn_scalar, "final_logit_softcapping": cfg.final_logit_softcapping,
+            "hidden_activation": cfg.hidden_act}
+
+
+def _moe_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """Mixtral's experts are intermediate_size wide; Qwen2/3-MoE's moe_intermediate_size, with dense layers
+    listed in mlp_only_layers."""
+    if not cfg.num_experts:
+        return {}
+    out: dict[str, Any] = {"num_local_experts": cfg.num_experts, "num_experts": cfg.num_experts,
+                           "num_experts_per_tok": cfg.num_experts_per_tok, "norm_topk_prob": cfg.norm_topk_prob,
+                           "moe_intermediate_size": cfg.moe_intermediate_size,
+                           "mlp_only_layers": [i for i in range(cfg.num_hidden_layers) if not cfg.layer_is_moe(i)],
+                           "decoder_sparse_step": 1}
+    if cfg.shared_expert_intermediate_size:
+        out["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    return out
 
 
 def _write_tokenizer(loaded: LoadedModel, out: Path) -> None:
