@@ -19,6 +19,7 @@ from tokenloom.engine_args import add_engine_args, engine_config
 from tokenloom.errors import ConfigError, TokenloomError
 from tokenloom.llm import LLM
 from tokenloom.quant.write_checkpoint import quantize_checkpoint
+from tokenloom.distributed.cli import add_ray_serve_parser
 from tokenloom.router.cli import add_cluster_parser, add_router_parser
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.secrets_file import read_secret
@@ -223,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_router_parser(sub)
     add_cluster_parser(sub)
+    add_ray_serve_parser(sub)
     return parser
 
 
