@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import httpx
 
 from tokenloom.netutil import free_port
-from tokenloom.router.cluster import _pdeathsig_preexec
+from tokenloom.router.cluster import pdeathsig_preexec
 
 log = logging.getLogger("tokenloom.distributed")
 
@@ -67,7 +67,7 @@ class ServeWorker:
             raise self._spawn_error
 
     def _run(self) -> None:
-        preexec = _pdeathsig_preexec()
+        preexec = pdeathsig_preexec()
         try:
             self.proc = subprocess.Popen(self._cmd, preexec_fn=preexec, start_new_session=preexec is not None)
         except OSError as e:
