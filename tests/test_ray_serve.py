@@ -232,6 +232,12 @@ class Load:
 
 def test_scale_down_and_up_under_load_loses_no_stream(served: RayServe) -> None:
     served.wait_for("two workers", lambda: len(served.published()) == 2)
+    for bad, message in (({"workers": 3}, "outside --min-workers 1 .. --max-workers 2"),
+                         ({"workers": "2"}, "integer N"), ([2], "integer N")):
+        r = httpx.post(served.url + "/admin/workers", json=bad, timeout=10)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert httpx.post(served.url + "/admin/workers", content=b"{", timeout=10).status_code == 400
+    assert served.workers()["target"] == 2
     load = Load(served.url, clients=4, max_tokens=200)
     try:
         for n in (1, 2, 1):

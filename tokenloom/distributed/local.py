@@ -116,7 +116,7 @@ class LocalRayCluster:
     def log_tail(self, chars: int = 3000) -> str:
         return "".join(p.read_text(errors="replace")[-chars:] for p in sorted(self.temp_dir.glob("node*.log")))
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 3.0) -> None:
         """End the nodes: SIGTERM to each `ray start --block` group, then SIGKILL to every process of this
         cluster still running after `timeout` s (Ray's worker processes included)."""
         for p in reversed(self.procs):
