@@ -120,8 +120,10 @@ def add_admin_routes(app: FastAPI, workers: RayWorkers, api_key: str | None) -> 
 
 
 def run_ray_serve(args: argparse.Namespace) -> int:
-    import ray
-
+    try:
+        import ray
+    except ImportError as e:
+        raise ConfigError(f"ray-serve needs Ray: pip install 'tokenloom[ray]' ({e})") from e
     args.api_key = read_secret(args.api_key, args.api_key_file, "api-key")
     if args.api_key is not None:
         raise ConfigError("ray-serve: --api-key is not passed to the Ray workers yet (it would sit on their "
