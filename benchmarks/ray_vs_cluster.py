@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
@@ -35,8 +36,6 @@ async def _stream(c: httpx.AsyncClient, i: int, n: int) -> int:
     async with c.stream("POST", "/v1/completions", json=body) as r:
         async for line in r.aiter_lines():
             if line.startswith("data: {") and '"usage": {' in line:
-                import json
-
                 usage = json.loads(line[6:]).get("usage")
                 tokens = usage["completion_tokens"] if usage else tokens
     return tokens
