@@ -32,6 +32,7 @@ from tokenloom.distributed.local import LocalRayCluster, NodeSpec  # noqa: E402 
 pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[1]
+AUTH = {"Authorization": "Bearer ray-test-key"}  # the router and the Ray workers both require it
 REPLACEMENT_BOUND_S = 120.0  # Ray restarts a killed worker and the router routes to it again within this
 
 
@@ -53,6 +54,8 @@ def ray_cluster() -> Iterator[LocalRayCluster]:
 
 class RayServe:
     def __init__(self, cluster: LocalRayCluster, model: Path, log: Path) -> None:
+        key_file = log.with_name("api-key")
+        key_file.write_text(AUTH["Authorization"].split()[1])
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -60,18 +63,19 @@ class RayServe:
                str(self.port), "--model", str(model), "--served-model-name", "tiny", *WORKER_FLAGS,
                "--min-workers", "1", "--max-workers", "2", "--initial-workers", "2", "--autoscale-interval", "0",
                "--num-cpus-per-worker", "1", "--placement", "spread", "--check-interval", "0.25",
-               "--health-interval", "0.25", "--graceful-timeout", "20", "--startup-timeout", "300"]
+               "--health-interval", "0.25", "--graceful-timeout", "20", "--startup-timeout", "300",
+               "--api-key-file", str(key_file)]
         with log.open("ab") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=f, env=cluster.env, start_new_session=True)
 
     def wait(self) -> None:
         try:
-            wait_until_healthy(self.url, timeout=300, path="/admin/workers", alive=lambda: self.proc.poll() is None)
+            wait_until_healthy(self.url, timeout=300, path="/metrics", alive=lambda: self.proc.poll() is None)
         except TimeoutError as e:
             raise TimeoutError(f"{e}; its log ends: {self.log.read_text()[-3000:]}") from e
 
     def workers(self) -> dict:
-        return httpx.get(self.url + "/admin/workers", timeout=10).json()
+        return httpx.get(self.url + "/admin/workers", headers=AUTH, timeout=10).json()
 
     def published(self) -> list[dict]:
         return [w for w in self.workers()["workers"] if w["published"]]
@@ -89,7 +93,7 @@ class RayServe:
         return time.monotonic() - t
 
     def scale(self, n: int) -> None:
-        r = httpx.post(self.url + "/admin/workers", json={"workers": n}, timeout=10)
+        r = httpx.post(self.url + "/admin/workers", json={"workers": n}, headers=AUTH, timeout=10)
         assert r.status_code == 200, r.text
 
     def stop(self) -> None:
@@ -148,13 +152,16 @@ def test_workers_on_both_nodes_and_streams_equal_a_direct_worker(served: RayServ
     prompts = [f"prompt number {i % 4} of the ray test" for i in range(16)]
 
     async def run() -> tuple[list[list[str]], list[list[str]]]:
-        async with httpx.AsyncClient(base_url=workers[0]["url"], timeout=120) as direct:
+        async with httpx.AsyncClient(base_url=workers[0]["url"], headers=AUTH, timeout=120) as direct:
             want = [await _stream(direct, p, 32) for p in prompts[:4]]
-        async with httpx.AsyncClient(base_url=served.url, timeout=120) as c:
+        async with httpx.AsyncClient(base_url=served.url, headers=AUTH, timeout=120) as c:
             got = await asyncio.wait_for(asyncio.gather(*(_stream(c, p, 32) for p in prompts)), 300)
         return want, got
 
     want, got = asyncio.run(run())
+    for url in (served.url, workers[0]["url"]):  # the key is required by the router and by the Ray workers
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=30)
+        assert r.status_code == 401, r.text
     for i, lines in enumerate(got):
         assert _text(lines) == _text(want[i % 4]) and _choices(lines) == _choices(want[i % 4])
 
@@ -164,7 +171,7 @@ def test_a_killed_worker_is_replaced_by_ray_and_routed_to_again(served: RayServe
     victim = before[min(before)]
 
     async def under_load() -> tuple[list[list[str]], list[httpx.Response]]:
-        async with httpx.AsyncClient(base_url=served.url, timeout=120) as c:
+        async with httpx.AsyncClient(base_url=served.url, headers=AUTH, timeout=120) as c:
             started = [asyncio.Event() for _ in range(4)]
             streams = [asyncio.create_task(_stream(c, f"long stream {i}", 1500, started[i])) for i in range(4)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
@@ -196,7 +203,7 @@ def test_a_killed_worker_is_replaced_by_ray_and_routed_to_again(served: RayServe
     print(f"replacement routed {time.monotonic() - t:.1f} s after the kill")
     new_url = next(w["url"] for w in served.published() if w["number"] == victim["number"])
     async def spread() -> list[str]:
-        async with httpx.AsyncClient(base_url=served.url, timeout=120) as c:
+        async with httpx.AsyncClient(base_url=served.url, headers=AUTH, timeout=120) as c:
             return [_text(x) for x in await asyncio.gather(*(_stream(c, "x", 4) for _ in range(4)))]
     assert len(asyncio.run(spread())) == 4
     m = httpx.get(served.url + "/metrics").text
@@ -220,7 +227,7 @@ class Load:
             n += 1
 
     async def _run(self) -> None:
-        async with httpx.AsyncClient(base_url=self.url, timeout=120) as c:
+        async with httpx.AsyncClient(base_url=self.url, headers=AUTH, timeout=120) as c:
             await asyncio.gather(*(self._client(c, k) for k in range(self.clients)))
 
     def stop(self) -> list[list[str]]:
@@ -234,9 +241,10 @@ def test_scale_down_and_up_under_load_loses_no_stream(served: RayServe) -> None:
     served.wait_for("two workers", lambda: len(served.published()) == 2)
     for bad, message in (({"workers": 3}, "outside --min-workers 1 .. --max-workers 2"),
                          ({"workers": "2"}, "integer N"), ([2], "integer N")):
-        r = httpx.post(served.url + "/admin/workers", json=bad, timeout=10)
+        r = httpx.post(served.url + "/admin/workers", json=bad, headers=AUTH, timeout=10)
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
-    assert httpx.post(served.url + "/admin/workers", content=b"{", timeout=10).status_code == 400
+    assert httpx.post(served.url + "/admin/workers", content=b"{", headers=AUTH, timeout=10).status_code == 400
+    assert httpx.post(served.url + "/admin/workers", json={"workers": 1}, timeout=10).status_code == 401
     assert served.workers()["target"] == 2
     load = Load(served.url, clients=4, max_tokens=200)
     try:

@@ -23,6 +23,7 @@ import httpx
 
 from tokenloom.netutil import free_port
 from tokenloom.router.cluster import pdeathsig_preexec
+from tokenloom.secrets_file import SecretFiles
 
 log = logging.getLogger("tokenloom.distributed")
 
@@ -42,7 +43,8 @@ class WorkerInfo:
 class ServeWorker:
     """One `tokenloom serve --host H --port P <serve_argv>` child, on this actor's node."""
 
-    def __init__(self, serve_argv: list[str], bind_host: str | None, health_timeout: float) -> None:
+    def __init__(self, serve_argv: list[str], bind_host: str | None, health_timeout: float,
+                 api_key: str | None = None) -> None:
         import ray  # in the actor process: Ray is there, as it made it
 
         node_ip = ray.util.get_node_ip_address()
@@ -54,8 +56,11 @@ class ServeWorker:
         self.url = f"http://{advertised}:{self.port}"
         self.health_timeout = health_timeout
         self._stopping = threading.Event()
+        # The API key reaches the server through a private file on this node, not its command line.
+        self._secrets = SecretFiles()
+        key = ["--api-key-file", self._secrets.write("api-key", api_key)] if api_key is not None else []
         self._cmd = [sys.executable, "-m", "tokenloom.cli", "serve", "--host", self.bind_host, "--port",
-                     str(self.port), *serve_argv]
+                     str(self.port), *serve_argv, *key]
         self._started = threading.Event()
         self._spawn_error: OSError | None = None
         self.proc: subprocess.Popen[bytes]  # set by _run before _started (or _spawn_error is)
@@ -76,6 +81,7 @@ class ServeWorker:
         finally:
             self._started.set()
         code = self.proc.wait()
+        self._secrets.close()  # read at start-up; a restarted actor writes it anew
         if not self._stopping.is_set():
             log.error("worker %s (pid %d) exited with %d; ending the actor so that Ray restarts it",
                       self.url, self.proc.pid, code)
@@ -88,6 +94,8 @@ class ServeWorker:
                 ready = httpx.get(self.url + "/health", timeout=self.health_timeout).status_code == 200
             except httpx.HTTPError:
                 ready = False
+        if ready:
+            self._secrets.close()  # the server read its key before it listened
         return WorkerInfo(self.url, self.proc.pid, os.getpid(), self.node_id, ready)
 
     def stop(self, graceful_timeout: float) -> int:

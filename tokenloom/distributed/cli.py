@@ -125,10 +125,9 @@ def run_ray_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise ConfigError(f"ray-serve needs Ray: pip install 'tokenloom[ray]' ({e})") from e
     args.api_key = read_secret(args.api_key, args.api_key_file, "api-key")
-    if args.api_key is not None:
-        raise ConfigError("ray-serve: --api-key is not passed to the Ray workers yet (it would sit on their "
-                          "command lines); put the router behind your own gateway instead")
+    api_key, args.api_key = args.api_key, None  # worker_argv would put it on the workers' command lines
     config = ray_serve_config(args)
+    args.api_key = api_key
     args.worker_discovery, args.discovery_interval = EXTERNAL, min(args.check_interval, 1.0)
     router = router_config(args, [], [])
     logging.getLogger("tokenloom.router").setLevel(logging.INFO)
@@ -143,7 +142,7 @@ def run_ray_serve(args: argparse.Namespace) -> int:
         def outstanding_of(self, url: str) -> int:
             return pool_box[0].outstanding_of(url)
 
-    workers = RayWorkers(config, _Routing())
+    workers = RayWorkers(config, _Routing(), api_key)
     app = build_router_app(router, discovery=CallableDiscovery(workers.urls))
     pool_box.append(app.state.pool)
     add_admin_routes(app, workers, args.api_key)

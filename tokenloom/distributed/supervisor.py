@@ -57,9 +57,10 @@ class Member:
 
 
 class RayWorkers:
-    def __init__(self, config: RayServeConfig, routing: RoutingView,
+    def __init__(self, config: RayServeConfig, routing: RoutingView, api_key: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self._api_key = api_key  # the workers require it too (passed to each actor, never on a command line)
         self.routing = routing
         self.clock = clock
         self.autoscaler = Autoscaler(config.autoscale)
@@ -113,7 +114,7 @@ class RayWorkers:
                 max_concurrency=4,  # info() while a slow stop() runs
                 scheduling_strategy="SPREAD" if c.placement == "spread" else "DEFAULT")
         actor = self._actor_class.remote(list(self.config.serve_argv), self.config.worker_host,
-                                         self.config.check_timeout)
+                                         self.config.check_timeout, self._api_key)
         member = Member(actor, next(self._numbers), self.clock())
         log.info("worker actor %d created", member.number)
         return member
