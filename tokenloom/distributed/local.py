@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,8 +82,6 @@ class LocalRayCluster:
 
     def start(self, timeout: float = 120.0) -> None:
         """Start every node and wait until Ray counts them all alive."""
-        import ray
-
         try:
             for i, spec in enumerate(self.nodes):
                 self.procs.append(self._start_node(i, spec))
@@ -93,7 +91,6 @@ class LocalRayCluster:
         except BaseException:
             self.stop()
             raise
-        del ray
 
     def _alive_nodes(self) -> int:
         for p in self.procs:
@@ -106,9 +103,9 @@ class LocalRayCluster:
         active = r.stdout.split("Active:", 1)[-1].split("Pending:", 1)[0]
         return sum(1 for line in active.splitlines() if line.strip().startswith("1 node_"))
 
-    def _wait(self, done: object, timeout: float, what: str) -> None:
+    def _wait(self, done: Callable[[], bool], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
-        while not done():  # type: ignore[operator]
+        while not done():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"Ray: {what} not up after {timeout:.0f} s: {self.log_tail()}")
             time.sleep(0.5)
