@@ -88,7 +88,8 @@ def run_ray(a: argparse.Namespace) -> dict[str, float]:
     cluster.start()
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tokenloom.cli", "ray-serve", "--address", cluster.address,
-                             "--port", str(port), "--min-workers", "2", "--num-cpus-per-worker", "1", *WORKER],
+                             "--port", str(port), "--min-workers", "2", "--num-cpus-per-worker", "1",
+                             "--worker-host", "127.0.0.1", *WORKER],
                             env=cluster.env)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -63,6 +63,7 @@ class RayServe:
                str(self.port), "--model", str(model), "--served-model-name", "tiny", *WORKER_FLAGS,
                "--min-workers", "1", "--max-workers", "2", "--initial-workers", "2", "--autoscale-interval", "0",
                "--num-cpus-per-worker", "1", "--placement", "spread", "--check-interval", "0.25",
+               "--worker-host", "127.0.0.1",  # every "node" is this machine: the workers stay on loopback
                "--health-interval", "0.25", "--graceful-timeout", "20", "--startup-timeout", "300",
                "--api-key-file", str(key_file)]
         with log.open("ab") as f:

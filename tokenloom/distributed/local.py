@@ -1,7 +1,9 @@
 """A Ray cluster of several nodes on this machine, for the tests and the benchmark scripts: a head node and
 more worker nodes, each a `ray start --block` child of ours (so that ending that child ends exactly the Ray
-processes it started: no `ray stop`, which would end every Ray process of the machine), all on 127.0.0.1,
-without the dashboard, with small object stores, under a temp dir of their own.
+processes it started: no `ray stop`, which would end every Ray process of the machine), the head's GCS on
+127.0.0.1 (Ray registers the nodes under the address it picks for this machine; workers meant to stay on
+loopback are given `--worker-host 127.0.0.1`), without the dashboard, with small object stores, under a
+temp dir of their own.
 """
 
 from __future__ import annotations
