@@ -12,6 +12,7 @@ from tokenloom.bench.offline import add_offline_args, run_offline_bench
 from tokenloom.bench.perplexity import add_perplexity_args, run_perplexity
 from tokenloom.bench.serve import add_serve_args, run_bench_serve
 from tokenloom.config import EngineConfig, GgufWeights, Role
+from tokenloom.distributed.cli import add_ray_serve_parser
 from tokenloom.engine.async_engine import AsyncLLMEngine
 from tokenloom.engine.engine import LLMEngine, freeze_gc
 from tokenloom.engine.warmup import warm_up
@@ -19,7 +20,6 @@ from tokenloom.engine_args import add_engine_args, engine_config
 from tokenloom.errors import ConfigError, TokenloomError
 from tokenloom.llm import LLM
 from tokenloom.quant.write_checkpoint import quantize_checkpoint
-from tokenloom.distributed.cli import add_ray_serve_parser
 from tokenloom.router.cli import add_cluster_parser, add_router_parser
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.secrets_file import read_secret
