@@ -54,6 +54,10 @@ def add_ray_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
     p.add_argument("--drain-timeout", type=float, default=600.0,
                    help="seconds a worker being scaled down gets to finish its in-flight requests")
     p.add_argument("--check-interval", type=float, default=0.5, help="seconds between looks at the actors")
+    p.add_argument("--worker-logs-to-driver", action="store_true",
+                   help="print the workers' logs here too (default: only in Ray's logs on their nodes, "
+                        "session_latest/logs/worker-*; this process is also the router, and every request "
+                        "logs a line)")
     p.add_argument("--autoscale-interval", type=float, default=d.interval,
                    help="seconds between autoscaling decisions (0: off)")
     p.add_argument("--scale-up-waiting", type=float, default=d.up_waiting,
@@ -132,7 +136,7 @@ def run_ray_serve(args: argparse.Namespace) -> int:
     router = router_config(args, [], [])
     logging.getLogger("tokenloom.router").setLevel(logging.INFO)
     logging.getLogger("tokenloom.distributed").setLevel(logging.INFO)
-    ray.init(address=config.address, logging_level=logging.WARNING)
+    ray.init(address=config.address, logging_level=logging.WARNING, log_to_driver=args.worker_logs_to_driver)
     pool_box: list[WorkerPool] = []
 
     class _Routing:  # the router's pool, once the app made it
