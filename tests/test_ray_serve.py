@@ -65,7 +65,7 @@ class RayServe:
                "--num-cpus-per-worker", "1", "--placement", "spread", "--check-interval", "0.25",
                "--worker-host", "127.0.0.1",  # every "node" is this machine: the workers stay on loopback
                "--health-interval", "0.25", "--graceful-timeout", "20", "--startup-timeout", "300",
-               "--api-key-file", str(key_file)]
+               "--api-key-file", str(key_file), "--worker-logs-to-driver"]  # the workers' logs in this log too
         with log.open("ab") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=f, env=cluster.env, start_new_session=True)
 
