@@ -71,11 +71,11 @@ class WorkerProcess:
 class ThreadServer:
     """An ASGI app under uvicorn on a free loopback port, in a daemon thread."""
 
-    def __init__(self, app: FastAPI, ready_path: str = "/health") -> None:
+    def __init__(self, app: FastAPI, ready_path: str = "/health", host: str = "127.0.0.1", port: int | None = None) -> None:
         self.app = app
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.port = port or free_port()
+        self.url = f"http://{host}:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
         wait_until_healthy(self.url, timeout=30, path=ready_path)
@@ -111,7 +111,7 @@ class FakeWorker:
     connection), hang (streams one event, then waits for `release`), step (streams one event, waits for
     `release`, streams the rest)."""
 
-    def __init__(self, name: str, mode: str = "ok") -> None:
+    def __init__(self, name: str, mode: str = "ok", host: str = "127.0.0.1", port: int | None = None) -> None:
         import asyncio
         import json
 
@@ -168,7 +168,7 @@ class FakeWorker:
 
         for path in ("/v1/completions", "/v1/chat/completions", "/api/generate", "/api/chat"):
             app.add_api_route(path, answer, methods=["POST"])
-        self.server = ThreadServer(app)
+        self.server = ThreadServer(app, host=host, port=port)
         self.url = self.server.url
 
     def close(self) -> None:

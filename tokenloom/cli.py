@@ -12,6 +12,7 @@ from tokenloom.bench.offline import add_offline_args, run_offline_bench
 from tokenloom.bench.perplexity import add_perplexity_args, run_perplexity
 from tokenloom.bench.serve import add_serve_args, run_bench_serve
 from tokenloom.config import EngineConfig, GgufWeights, Role
+from tokenloom.distributed.cli import add_ray_serve_parser
 from tokenloom.engine.async_engine import AsyncLLMEngine
 from tokenloom.engine.engine import LLMEngine, freeze_gc
 from tokenloom.engine.warmup import warm_up
@@ -223,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_router_parser(sub)
     add_cluster_parser(sub)
+    add_ray_serve_parser(sub)
     return parser
 
 

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenloom.router.config import RouterConfig
+from tokenloom.router.discovery import Discovery, follow, parse_discovery, refresh
 from tokenloom.router.disagg import PrefillStage
 from tokenloom.router.metrics import RouterMetrics
 from tokenloom.router.policies import make_policy
@@ -30,8 +31,13 @@ PROXIED_ROUTES: tuple[tuple[str, str], ...] = (
 )
 
 
-def build_router_app(config: RouterConfig, metrics: RouterMetrics | None = None) -> FastAPI:
+def build_router_app(config: RouterConfig, metrics: RouterMetrics | None = None,
+                     discovery: Discovery | None = None) -> FastAPI:
+    """`discovery`: where the (decode) workers come from at run time; default: config.worker_discovery,
+    else the fixed config.workers."""
     metrics = metrics or RouterMetrics()
+    if discovery is None and config.worker_discovery is not None:
+        discovery = parse_discovery(config.worker_discovery)
     pool = WorkerPool(config.workers, config.unhealthy_after, metrics.worker_changed)
     prefill_pool = WorkerPool(config.prefill_workers, config.unhealthy_after, metrics.worker_changed)
     for w in pool.workers + prefill_pool.workers:
@@ -50,9 +56,14 @@ def build_router_app(config: RouterConfig, metrics: RouterMetrics | None = None)
                        if prefill_pool.workers else None)
             app.state.proxy = Proxy(config, pool, policy, metrics, client, prefill)
             pools = (pool, prefill_pool)
+            if discovery is not None:
+                await refresh(pool, discovery, client, config.health_timeout)
             await asyncio.gather(*(p.check_all(client, config.health_timeout) for p in pools))
             checks = [asyncio.create_task(p.run_health_checks(client, config.health_interval, config.health_timeout))
                       for p in pools]
+            if discovery is not None:
+                checks.append(asyncio.create_task(
+                    follow(pool, discovery, client, config.discovery_interval, config.health_timeout)))
             try:
                 yield
             finally:

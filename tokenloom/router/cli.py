@@ -19,7 +19,7 @@ from tokenloom.serve.server import run_app
 from tokenloom.serve.tool_parsers import TOOL_PARSERS
 
 
-def _router_args(p: argparse.ArgumentParser, default_port: int) -> None:
+def router_args(p: argparse.ArgumentParser, default_port: int) -> None:
     d = RouterConfig(workers=("http://placeholder",))  # only for the defaults
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=default_port, help="the router's port")
@@ -44,8 +44,10 @@ def _router_args(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="split prefill/decode: seconds a prefill worker's KV send to a decode worker may take")
 
 
-def _config(args: argparse.Namespace, workers: list[str], prefill_workers: list[str]) -> RouterConfig:
-    return RouterConfig(workers=tuple(workers), prefill_workers=tuple(prefill_workers), policy=args.policy,
+def router_config(args: argparse.Namespace, workers: list[str], prefill_workers: list[str]) -> RouterConfig:
+    discovery = {"worker_discovery": args.worker_discovery, "discovery_interval": args.discovery_interval} \
+        if getattr(args, "worker_discovery", None) is not None else {}
+    return RouterConfig(workers=tuple(workers), prefill_workers=tuple(prefill_workers), policy=args.policy, **discovery,
                         health_interval=args.health_interval, health_timeout=args.health_timeout,
                         unhealthy_after=args.unhealthy_after, max_retries=args.max_retries, api_key=args.api_key,
                         cache_aware_margin=args.cache_aware_margin, read_timeout=args.read_timeout,
@@ -54,13 +56,17 @@ def _config(args: argparse.Namespace, workers: list[str], prefill_workers: list[
 
 def add_router_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("router", help="a gateway (load balancer) in front of running `tokenloom serve` workers")
-    p.add_argument("--worker", action="append", required=True, metavar="URL",
+    p.add_argument("--worker", action="append", default=[], metavar="URL",
                    help="a worker's base URL, e.g. http://10.0.0.5:8000 (repeat for each worker); with "
                         "--prefill-worker, these are the decode workers (`serve --role decode`)")
     p.add_argument("--prefill-worker", action="append", default=[], metavar="URL",
                    help="a `serve --role prefill` worker: it computes the prompts of OpenAI completion and chat "
                         "requests and ships their KV blocks to the decode worker chosen for them (repeatable)")
-    _router_args(p, default_port=8000)
+    p.add_argument("--worker-discovery", default=None, metavar="dns:NAME:PORT",
+                   help="instead of --worker: every address NAME resolves to is a worker on PORT (a Kubernetes "
+                        "headless Service), looked up again every --discovery-interval seconds")
+    p.add_argument("--discovery-interval", type=float, default=5.0, help="seconds between --worker-discovery lookups")
+    router_args(p, default_port=8000)
     p.set_defaults(func=_run_router)
 
 
@@ -75,24 +81,29 @@ def add_cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("--worker-host", default="127.0.0.1",
                    help="address the workers listen on (0.0.0.0 lets a Prometheus elsewhere scrape them)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds the workers get to come up")
-    p.add_argument("--served-model-name", default=None, help="passed to every worker")
-    p.add_argument("--max-waiting", type=int, default=256, help="passed to every worker")
-    p.add_argument("--max-n", type=int, default=128, help="passed to every worker")
+    add_worker_serving_args(p)
     p.add_argument("--kv-secret", default=None,
                    help="with --prefill-workers: the secret signing KV transfers between the workers (default: "
                         "--api-key, else a random one)")
     p.add_argument("--kv-secret-file", default=None, metavar="PATH", help="--kv-secret read from this file")
-    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS), help="passed to every worker")
-    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                   help="passed to every worker")
-    _router_args(p, default_port=8000)
+    router_args(p, default_port=8000)
     add_engine_args(p)
     p.set_defaults(func=_run_cluster)
 
 
+def add_worker_serving_args(p: argparse.ArgumentParser) -> None:
+    """The `tokenloom serve` flags (besides the engine's) that `cluster` and `ray-serve` pass to every worker."""
+    p.add_argument("--served-model-name", default=None, help="passed to every worker")
+    p.add_argument("--max-waiting", type=int, default=256, help="passed to every worker")
+    p.add_argument("--max-n", type=int, default=128, help="passed to every worker")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS), help="passed to every worker")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="passed to every worker")
+
+
 def _run_router(args: argparse.Namespace) -> int:
     args.api_key = read_secret(args.api_key, args.api_key_file, "api-key")
-    config = _config(args, args.worker, args.prefill_worker)
+    config = router_config(args, args.worker, args.prefill_worker)
     logging.getLogger("tokenloom.router").setLevel(logging.INFO)  # workers going out and coming back
     run_app(build_router_app(config), args.host, args.port, args.graceful_timeout, args.verbose)
     return 0
@@ -142,7 +153,7 @@ def _run_cluster(args: argparse.Namespace) -> int:
     urls = workers.urls
     # Bad router flags fail before any worker starts.
     try:
-        config = _config(args, urls[:args.workers], urls[args.workers:])
+        config = router_config(args, urls[:args.workers], urls[args.workers:])
     except BaseException:
         secret_files.close()
         raise

@@ -29,7 +29,7 @@ log = logging.getLogger("tokenloom.router")
 _PR_SET_PDEATHSIG = 1
 
 
-def _pdeathsig_preexec() -> Callable[[], None] | None:
+def pdeathsig_preexec() -> Callable[[], None] | None:
     """A preexec_fn that asks the kernel for SIGTERM when the parent dies (Linux only; None elsewhere).
 
     Everything it needs is looked up here, in the parent: between fork and exec the child may only make
@@ -86,7 +86,7 @@ class LocalWorkers:
         self._lock = threading.Lock()  # procs, and stopping, between the supervisor and stop()
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
-        self._preexec = _pdeathsig_preexec()
+        self._preexec = pdeathsig_preexec()
 
     @property
     def urls(self) -> list[str]:
@@ -113,7 +113,7 @@ class LocalWorkers:
         return subprocess.Popen(cmd, preexec_fn=self._preexec, start_new_session=self._preexec is not None)
 
     def launch(self) -> None:
-        """Start every worker process (call from the main thread: see _pdeathsig_preexec)."""
+        """Start every worker process (call from the main thread: see pdeathsig_preexec)."""
         for i in range(len(self.ports)):
             self.procs.append(self._spawn(i))
             self._started_at.append(time.monotonic())

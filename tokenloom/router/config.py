@@ -34,13 +34,24 @@ class RouterConfig:
     # Longest silence of a worker mid-response; a non-streaming request sends nothing until it is done,
     # so this bounds its generation time too.
     read_timeout: float = 600.0
+    # Workers found at run time instead of listed (router/discovery.py): `dns:NAME:PORT`, polled every
+    # `discovery_interval` seconds. `tokenloom ray-serve` passes its own discovery to build_router_app.
+    worker_discovery: str | None = None
+    discovery_interval: float = 5.0
 
     def __post_init__(self) -> None:
         # "http://host:8001/" and "http://host:8001" are one worker: paths are appended to the URL.
         object.__setattr__(self, "workers", tuple(url.rstrip("/") for url in self.workers))
         object.__setattr__(self, "prefill_workers", tuple(url.rstrip("/") for url in self.prefill_workers))
-        if not self.workers:
-            raise ConfigError("the router needs at least one worker (--worker URL)")
+        if self.worker_discovery is not None:
+            from tokenloom.router.discovery import EXTERNAL, parse_discovery  # late: discovery imports the pool
+
+            if self.worker_discovery != EXTERNAL:
+                parse_discovery(self.worker_discovery)  # a bad spec fails here, before anything starts
+            if self.workers:
+                raise ConfigError("--worker and --worker-discovery: give one or the other")
+        if not self.workers and self.worker_discovery is None:
+            raise ConfigError("the router needs at least one worker (--worker URL or --worker-discovery)")
         for flag, urls in (("--worker", self.workers), ("--prefill-worker", self.prefill_workers)):
             for url in urls:
                 if not url.startswith(("http://", "https://")):
@@ -52,7 +63,8 @@ class RouterConfig:
             raise ConfigError(f"--policy {self.policy!r}: expected one of {', '.join(POLICIES)}")
         positive = {"health_interval": self.health_interval, "health_timeout": self.health_timeout,
                     "connect_timeout": self.connect_timeout, "read_timeout": self.read_timeout,
-                    "kv_transfer_timeout": self.kv_transfer_timeout}
+                    "kv_transfer_timeout": self.kv_transfer_timeout,
+                    "discovery_interval": self.discovery_interval}
         for name, value in positive.items():
             if not value > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0 (got {value})")

@@ -2,6 +2,11 @@
 
 A worker is taken out when it refuses connections, answers /health with anything but 200, or times out
 `unhealthy_after` checks in a row; the first 200 from /health lets it back in.
+
+The set of workers may change at run time (set_urls, fed by router/discovery.py: DNS, Ray): a new worker
+enters unhealthy until its first check answers 200; a removed one leaves routing at once, and its requests
+still in flight finish (the proxy holds its Worker) and are counted by outstanding_of() until done, which
+is what a graceful scale-down waits for before it stops the worker.
 """
 
 from __future__ import annotations
@@ -32,6 +37,46 @@ class WorkerPool:
         self.workers = [Worker(url, i) for i, url in enumerate(urls)]
         self._unhealthy_after = unhealthy_after
         self._on_change = on_change  # metrics: up/outstanding gauges follow every change
+        self._next_index = len(self.workers)  # new workers come after every index ever given (round robin)
+        self.retired: dict[str, Worker] = {}  # removed workers whose requests are still in flight
+
+    def set_urls(self, urls: tuple[str, ...]) -> list[Worker]:
+        """Make the pool exactly `urls` (kept in their order of arrival); the workers added, for a first check."""
+        wanted = set(urls)
+        for w in [w for w in self.workers if w.url not in wanted]:
+            log.info("worker %s removed from the pool (%d request(s) still in flight)", w.url, w.outstanding)
+            w.healthy = False
+            self.workers.remove(w)
+            if w.outstanding > 0:
+                self.retired[w.url] = w
+            self._changed(w)
+        known = {w.url for w in self.workers}
+        added = []
+        for url in urls:
+            if url in known:
+                continue
+            # A URL that comes back (a restarted worker on the same address) takes its in-flight count along.
+            w = self.retired.pop(url, None) or Worker(url)
+            w.index, w.healthy, w.consecutive_failures = self._next_index, False, 0
+            self._next_index += 1
+            self.workers.append(w)
+            known.add(url)
+            added.append(w)
+            log.info("worker %s added to the pool", url)
+            self._changed(w)
+        return added
+
+    def routes_to(self, url: str) -> bool:
+        """Whether `url` is in the pool (healthy or not): a worker not in it gets no new requests."""
+        return any(w.url == url for w in self.workers)
+
+    def outstanding_of(self, url: str) -> int:
+        """Requests in flight at `url`, whether it is still in the pool or was removed."""
+        for w in self.workers:
+            if w.url == url:
+                return w.outstanding
+        w = self.retired.get(url)
+        return w.outstanding if w is not None else 0
 
     def available(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
         return [w for w in self.workers if w.healthy and w.url not in exclude]
@@ -42,6 +87,8 @@ class WorkerPool:
 
     def release(self, worker: Worker) -> None:
         worker.outstanding -= 1
+        if worker.outstanding == 0 and self.retired.get(worker.url) is worker:
+            del self.retired[worker.url]
         self._changed(worker)
 
     def mark_down(self, worker: Worker, reason: str) -> None:
@@ -62,6 +109,8 @@ class WorkerPool:
         worker.consecutive_failures = 0
 
     def mark_up(self, worker: Worker) -> None:
+        if worker not in self.workers:  # removed while its check was in flight: it stays out
+            return
         if not worker.healthy:
             log.info("worker %s is healthy", worker.url)
         worker.healthy = True
