@@ -18,6 +18,7 @@ from tokenloom.engine.warmup import warm_up
 from tokenloom.engine_args import add_engine_args, engine_config
 from tokenloom.errors import ConfigError, TokenloomError
 from tokenloom.llm import LLM
+from tokenloom.plan.cli import add_plan_parser
 from tokenloom.quant.write_checkpoint import quantize_checkpoint
 from tokenloom.router.cli import add_cluster_parser, add_router_parser
 from tokenloom.sampling_params import SamplingParams
@@ -223,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_router_parser(sub)
     add_cluster_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 
