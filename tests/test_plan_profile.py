@@ -29,7 +29,7 @@ def random_rows(rng: random.Random) -> list[tuple[int, int]]:
 
 def test_fit_recovers_known_coefficients() -> None:
     rng = random.Random(0)
-    true = LinearStepCost((0.004, 2e-5, 1e-4, 3e-8, 1e-9))
+    true = LinearStepCost((0.004, 2e-5, 1e-4, 3e-8, 1e-9, 0.01, 2e-4))
     samples = [(rows, true.step_time(rows)) for rows in (random_rows(rng) for _ in range(60))]
     got = LinearStepCost.fit(samples)
     assert got.coef == pytest.approx(true.coef, rel=1e-6)
@@ -38,8 +38,20 @@ def test_fit_recovers_known_coefficients() -> None:
 def test_features_by_hand() -> None:
     # 2 decodes at contexts 9 and 19 (they attend to 10 and 20 keys) and a 4-token chunk after 6 computed:
     # pairs 4 * (6 + 2.5) = 34.
-    assert features([(1, 9), (1, 19), (4, 6)]) == [1.0, 6.0, 3.0, 30.0, 34.0]
-    assert len(FEATURES) == 5
+    assert features([(1, 9), (1, 19), (4, 6)]) == [1.0, 6.0, 3.0, 30.0, 34.0, 1.0, 1.0]
+    assert features([(1, 9)]) == [1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.0]
+    assert len(FEATURES) == 7
+
+
+def test_robust_fit_leaves_out_steps_slowed_by_other_processes() -> None:
+    rng = random.Random(1)
+    true = LinearStepCost((0.004, 2e-5, 1e-4, 3e-8, 1e-9, 0.01, 2e-4))
+    samples = [(rows, true.step_time(rows)) for rows in (random_rows(rng) for _ in range(60))]
+    slowed = {3, 17, 40}
+    noisy = [(rows, t * 10 if i in slowed else t) for i, (rows, t) in enumerate(samples)]
+    got, keep = LinearStepCost.fit_robust(noisy)
+    assert {i for i, k in enumerate(keep) if not k} == slowed
+    assert got.coef == pytest.approx(true.coef, rel=1e-6)
 
 
 def test_nnls_matches_least_squares_when_unconstrained_and_clips_otherwise() -> None:
@@ -91,7 +103,8 @@ def test_profile_of_a_tiny_model_is_a_fittable_json(tiny_llama: Path, tmp_path: 
     back = Profile.load(path)
     assert back.cost == prof.cost and back.num_blocks == prof.num_blocks and back.source == "measured"
     assert back.machine["cpu"] and "engine_config" in back.machine
-    refit = LinearStepCost.fit([(rows, t) for rows, t in json.loads(path.read_text())["fit"]["samples"]])
+    saved = json.loads(path.read_text())["fit"]
+    refit = LinearStepCost.fit([(rows, t) for (rows, t), k in zip(saved["samples"], saved["kept"]) if k])
     assert refit.coef == pytest.approx(prof.cost.coef, rel=1e-6)
     s = simulate(back, FleetConfig(), poisson(2.0, 5, 20, 4, seed=0))
     assert all(r.end is not None for r in s.records)

@@ -9,7 +9,7 @@ from tokenloom.engine.block_pool import BlockPool
 from tokenloom.engine.kv_cache_manager import KVCacheManager
 from tokenloom.engine.scheduler import Scheduler
 from tokenloom.errors import ConfigError
-from tokenloom.plan.cost_model import LinearStepCost
+from tokenloom.plan.cost_model import FEATURES, LinearStepCost
 from tokenloom.plan.metrics import fleet_summary
 from tokenloom.plan.profile_file import Profile
 from tokenloom.plan.search import SLO, search
@@ -19,6 +19,7 @@ from tokenloom.plan.workload import SimRequest, poisson
 
 def profile(coef: tuple[float, ...], num_blocks: int = 1000, seqs: int = 8, budget: int = 64,
             block_size: int = 16) -> Profile:
+    coef = tuple(coef) + (0.0,) * (len(FEATURES) - len(coef))  # the features left out cost nothing
     return Profile("measured", "fake", LinearStepCost(coef), block_size, num_blocks, 1000.0, seqs, budget, 4096)
 
 
@@ -124,7 +125,7 @@ def test_a_prompt_larger_than_the_kv_cache_is_an_error() -> None:
 
 def test_split_fleet_adds_the_kv_transfer() -> None:
     # 32-token prompt, 100 bytes per token, 1 KB/s: 3.2 s + 0.5 s latency between prefill and decode.
-    p = Profile("measured", "fake", LinearStepCost((0.01, 0, 0, 0, 0)), 16, 100, 100.0, 8, 64, 4096)
+    p = Profile("measured", "fake", profile((0.01,)).cost, 16, 100, 100.0, 8, 64, 4096)
     fleet = FleetConfig(workers=1, prefill_workers=1, link_bandwidth=1000.0, link_latency_s=0.5)
     (r,) = simulate(p, fleet, [req(0.0, 32, 2)]).records
     # prefill step [0, .01]; transfer to 3.71; the decode worker computes the last token (the prompt's

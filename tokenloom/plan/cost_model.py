@@ -7,7 +7,10 @@ features are what dominates each phase of a CPU/GPU step:
 - rows: scheduled sequences: sampling and per-sequence bookkeeping;
 - decode_ctx: sum over decode rows (1 token) of the context they attend to: KV bytes read;
 - prefill_pairs: sum over chunk rows of the (query, key) pairs of causal attention,
-  n * (computed + (n + 1) / 2): quadratic in the chunk.
+  n * (computed + (n + 1) / 2): quadratic in the chunk;
+- has_chunk: 1 when any row is a chunk (n > 1): such a step leaves the fused decode path (on CPU a pure
+  decode step runs the whole layer stack in one C++ call) for the general one, which costs more per step;
+- chunk_rows: rows with n > 1: per-chunk work of the general path (metadata, per-sequence attention).
 step_time = coef . features, coefficients >= 0 (non-negative least squares, so no phase has a negative
 cost that would make a bigger batch cheaper).
 """
@@ -22,7 +25,7 @@ import numpy as np
 
 from tokenloom.errors import ConfigError
 
-FEATURES = ("fixed", "tokens", "rows", "decode_ctx", "prefill_pairs")
+FEATURES = ("fixed", "tokens", "rows", "decode_ctx", "prefill_pairs", "has_chunk", "chunk_rows")
 Row = tuple[int, int]  # (num_new_tokens, num_computed_tokens before the step)
 
 
@@ -39,7 +42,8 @@ def features(rows: Sequence[Row]) -> list[float]:
     tokens = sum(n for n, _ in rows)
     decode_ctx = sum(c + 1 for n, c in rows if n == 1)
     pairs = sum(n * (c + (n + 1) / 2) for n, c in rows if n > 1)
-    return [1.0, float(tokens), float(len(rows)), float(decode_ctx), float(pairs)]
+    chunks = sum(1 for n, _ in rows if n > 1)
+    return [1.0, float(tokens), float(len(rows)), float(decode_ctx), float(pairs), float(chunks > 0), float(chunks)]
 
 
 def nnls(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
@@ -94,6 +98,22 @@ class LinearStepCost:
             raise ConfigError("a timed step took no time; the clock or the samples are wrong")
         w = 1.0 / b
         return cls(tuple(float(c) for c in nnls(a * w[:, None], b * w)))
+
+    @classmethod
+    def fit_robust(cls, samples: Sequence[tuple[Sequence[Row], float]], slow: float = 2.0,
+                   rounds: int = 5) -> tuple[LinearStepCost, list[bool]]:
+        """`fit`, then refit without the steps that took more than `slow` x the prediction, until none is
+        left out anew. On a shared machine another process's burst only ever slows a step down (one-sided
+        outliers); the mask (True: kept) says which samples the final fit used."""
+        keep = [True] * len(samples)
+        cost = cls.fit(samples)
+        for _ in range(rounds):
+            new = [t <= slow * cost.step_time(rows) for rows, t in samples]
+            if new == keep or sum(new) < len(FEATURES):
+                break
+            keep = new
+            cost = cls.fit([s for s, k in zip(samples, keep) if k])
+        return cost, keep
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "linear", "features": list(FEATURES), "coef": list(self.coef)}

@@ -148,15 +148,16 @@ def run_grid(engine: Any, grid: ProfileGrid, seed: int = 0,
 
 def fit_profile(config: EngineConfig, engine: Any, samples: Sequence[tuple[list[Row], float]],
                 model_name: str) -> Profile:
-    cost = LinearStepCost.fit(samples)
-    errs = relative_errors(cost, samples)
+    cost, keep = LinearStepCost.fit_robust(samples)
+    errs = relative_errors(cost, [s for s, k in zip(samples, keep) if k])
     from tokenloom.disagg.blocks import KVLayout
 
     try:
         kv_per_token = KVLayout.of(engine).block_nbytes / config.block_size
     except ConfigError:  # several KV groups (windowed layers): what one token's K/V takes over all layers
         kv_per_token = engine.capacity.bytes_total / engine.capacity.num_tokens
-    fit = {"samples": [[list(map(list, rows)), t] for rows, t in samples],
+    fit = {"samples": [[list(map(list, rows)), t] for rows, t in samples], "kept": keep,
+           "left_out": len(samples) - sum(keep),
            "median_rel_error": float(np.median(errs)), "p90_rel_error": float(np.percentile(errs, 90)),
            "max_rel_error": float(np.max(errs))}
     return Profile(MEASURED, model_name, cost, config.block_size, engine.capacity.num_blocks, float(kv_per_token),
