@@ -11,6 +11,10 @@ same workloads with `tokenloom plan` from a profile taken in the same run, and c
    by default 1/8, 1/4, 1/2, 1 and 2 x the knee the planner predicts for that fleet (a sweep of
    simulated rates), so that the real knee falls inside the sweep even where the prediction is off;
    or --rates for all.
+   Before them, the single server is also run at concurrency 1 and 8 (--calibration-prompts each) and
+   `plan calibrate` fits the serving time outside engine steps (HTTP streaming, the async loop, the load
+   generator on the same cores) to those two points; the rate points below are not used for it.
+   --no-calibrate compares the bare engine-step profile instead.
 3. The simulation replays each measured point's records (its very arrival times and lengths) on the
    matching simulated fleet, and the table compares p50/p99 TTFT and TPOT, with the relative error, and
    the knee (bench's definition) of the measured and of the simulated sweep.
@@ -30,6 +34,7 @@ import pandas as pd
 
 from tokenloom.bench.stats import SweepPoint, knee
 from tokenloom.netutil import free_port, wait_until_healthy
+from tokenloom.plan.calibrate import calibrate
 from tokenloom.plan.metrics import fleet_summary
 from tokenloom.plan.profile_file import Profile
 from tokenloom.plan.simulator import FleetConfig, simulate
@@ -61,16 +66,18 @@ def predicted_rates(prof: Profile, fleet: FleetConfig, a: argparse.Namespace) ->
     return [k / 8, k / 4, k / 2, k, k * 2]
 
 
-def measure(name: str, cmd: list[str], rates: list[float], a: argparse.Namespace) -> Path:
+def measure(name: str, cmd: list[str], rates: list[float] | None, a: argparse.Namespace) -> Path:
+    """Start the set-up, load it at `rates` (None: concurrency 1 and 8, the calibration runs), stop it."""
     port = free_port()
     out = a.out / name
+    load = (["--request-rate", ",".join(f"{r:g}" for r in rates), "--num-prompts", str(a.num_prompts)] if rates
+            else ["--concurrency", "1,8", "--num-prompts", str(a.calibration_prompts)])
     proc = subprocess.Popen(tl(*cmd, "--port", str(port), *ENGINE))
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", timeout=900, alive=lambda: proc.poll() is None)
         subprocess.run(tl("bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--dataset", "fixed",
                           "--input-len", str(a.input_len), "--output-len", str(a.output_len),
-                          "--num-prompts", str(a.num_prompts), "--request-rate", ",".join(f"{r:g}" for r in rates),
-                          "--warmup", "2", "--seed", str(a.seed), "--knee-efficiency", str(a.knee_efficiency),
+                          *load, "--warmup", "2", "--seed", str(a.seed), "--knee-efficiency", str(a.knee_efficiency),
                           "--out", str(out)), check=True)
     finally:
         proc.terminate()
@@ -130,6 +137,8 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, default=None, help="reuse this profile instead of taking one")
     ap.add_argument("--profile-args", default="--decode-rows 1,4,16,64 --context-lens 128,512,1024",
                     help="grid flags for `plan profile`")
+    ap.add_argument("--no-calibrate", action="store_true", help="simulate with the bare engine-step profile")
+    ap.add_argument("--calibration-prompts", type=int, default=16, help="requests per calibration point")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results/plan_validate"))
     a = ap.parse_args()
@@ -138,6 +147,11 @@ def main() -> None:
     if a.profile is None:
         subprocess.run(tl("plan", "profile", "--out", str(prof_path), *ENGINE, *a.profile_args.split()), check=True)
     prof = Profile.load(prof_path)
+    if not a.no_calibrate:
+        prof = calibrate(prof, [measure("calibration", SETUPS["single"][0], None, a)], FleetConfig(workers=1), a.seed)
+        prof.save(a.out / "profile-calibrated.json")
+        print(f"calibrated serving overhead: {prof.overhead_step_s * 1e3:.2f} ms/step + "
+              f"{prof.overhead_row_s * 1e3:.3f} ms/row", flush=True)
     rows: list[dict[str, Any]] = []
     for name in a.setups:
         cmd, fleet = SETUPS[name]

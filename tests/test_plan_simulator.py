@@ -3,6 +3,9 @@ manager (not a copy), determinism, block-pool invariants under pressure, and the
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 
 from tokenloom.engine.block_pool import BlockPool
@@ -145,3 +148,30 @@ def test_search_finds_the_known_cheapest_fleet() -> None:
     assert best is not None and best.fleet.workers == 3 and best.fleet.prefill_workers == 0
     missed = {c.fleet.workers for c in tried if not c.meets}
     assert 2 in missed
+
+
+def test_calibration_recovers_a_known_serving_overhead(tmp_path: Path) -> None:
+    import json
+
+    import pandas as pd
+
+    from tokenloom.plan.calibrate import calibrate
+    from tokenloom.plan.metrics import to_bench_record
+
+    # "Reality": a server whose steps cost 3 ms + 0.4 ms per row more than its profile says. Two bench
+    # points (2 and 30 req/s, so different batch sizes) written as `bench serve` writes them.
+    bare = profile((0.002, 1e-5, 2e-4))
+    real = replace(bare, overhead_step_s=0.003, overhead_row_s=0.0004)
+    rows, points = [], []
+    for rate in (2.0, 30.0):
+        res = simulate(real, FleetConfig(), poisson(rate, 150, 64, 32, seed=5))
+        recs = [to_bench_record(r) for r in res.records]
+        points.append({"input_len": 64, "concurrency": None, "request_rate": rate,
+                       **fleet_summary(res)})
+        rows += [{"input_len": 64, "request_rate": rate, **r.to_row()} for r in recs]
+    (tmp_path / "summary.json").write_text(json.dumps({"points": points}))
+    pd.DataFrame(rows).to_csv(tmp_path / "records.csv", index=False)
+    got = calibrate(bare, [tmp_path], FleetConfig())
+    assert got.overhead_step_s == pytest.approx(0.003, rel=0.3)
+    assert got.overhead_row_s == pytest.approx(0.0004, rel=0.3)
+    assert got.cost == bare.cost and len(got.calibration["points"]) == 2

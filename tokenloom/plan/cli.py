@@ -80,6 +80,14 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     hw.add_argument("--overhead", type=float, default=None, help="override the spec's host seconds per step")
     hw.set_defaults(func=_hardware)
 
+    ca = psub.add_parser("calibrate", help="fit the serving overhead outside engine steps to real bench runs")
+    ca.add_argument("--profile", type=Path, required=True)
+    ca.add_argument("--bench", type=Path, nargs="+", required=True, help="`bench serve` results folders")
+    ca.add_argument("--workers", type=int, default=1, help="workers of the measured server (1: `serve`)")
+    ca.add_argument("--seed", type=int, default=0)
+    ca.add_argument("--out", type=Path, required=True, help="the calibrated profile")
+    ca.set_defaults(func=_calibrate)
+
     si = psub.add_parser("simulate", help="simulate a fleet at one or more request rates")
     si.add_argument("--profile", type=Path, required=True)
     si.add_argument("--workers", type=_ints, default=[1], help="colocated (or decode) workers; a list sweeps")
@@ -159,6 +167,18 @@ def _hardware(args: argparse.Namespace) -> int:
     print(f"{ANALYTIC}: {args.model} on {args.tp} x {spec.name}: {blocks} KV blocks of {args.block_size}; one decode "
           f"row at 1,024 context: {cost.step_time([(1, 1024)]) * 1e3:.2f} ms (compute {one['compute_s'] * 1e3:.3f}, "
           f"memory {one['memory_s'] * 1e3:.3f}, overhead {one['overhead_s'] * 1e3:.1f}) -> {args.out}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from tokenloom.plan.calibrate import calibrate
+    from tokenloom.plan.profile_file import Profile
+    from tokenloom.plan.simulator import FleetConfig
+
+    prof = calibrate(Profile.load(args.profile), args.bench, FleetConfig(workers=args.workers), args.seed)
+    prof.save(args.out)
+    print(f"serving overhead: {prof.overhead_step_s * 1e3:.2f} ms per step + {prof.overhead_row_s * 1e3:.3f} ms per "
+          f"row, from {len(prof.calibration['points'])} measured points -> {args.out}")
     return 0
 
 

@@ -2,7 +2,8 @@
 Scheduler and KVCacheManager / BlockPool on simulated time.
 
 Each worker is the engine's step loop without a model: `Scheduler.schedule()` picks the batch, the step
-takes `profile.cost.step_time(rows)` simulated seconds, then `Scheduler.update()` settles it with a token for
+takes `profile.step_time(rows)` simulated seconds (the step cost, plus the serving overhead `plan calibrate`
+fitted, if any), then `Scheduler.update()` settles it with a token for
 every row whose step reached the end of its known tokens (the runner's rule: a prefill chunk that stops
 mid-prompt samples nothing). Prefix-cache hits, preemption (recomputation) and chunked prefill therefore
 happen exactly as in the engine: it is the engine's code. What the simulation leaves out: stop strings
@@ -117,7 +118,7 @@ class SimWorker:
         budget = max(fleet.max_num_batched_tokens or profile.max_num_batched_tokens, seqs)
         self.scheduler = Scheduler(SchedulerConfig(seqs, budget, profile.max_model_len), self.kv)
         self.output = LengthOutput()
-        self.cost = profile.cost
+        self.profile = profile
         self.route = Worker(f"http://{role}-{index}.sim", index, healthy=True)  # what the router's policy sees
         self.batch: ScheduledBatch | None = None
         self.rng = rng
@@ -139,7 +140,7 @@ class SimWorker:
         self.batch = batch
         rows = [(n, s.num_computed_tokens) for s, n in zip(batch.seqs, batch.num_new_tokens)]
         self.samples.append((self.scheduler.num_waiting, self.scheduler.num_running, self.kv.usage))
-        dt = self.cost.step_time(rows)
+        dt = self.profile.step_time(rows)
         self.steps += 1
         self.busy_s += dt
         return dt
