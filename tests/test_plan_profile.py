@@ -129,7 +129,7 @@ def test_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "cannot read profile" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text('{"source": "measured"}')
     assert main(["plan", "simulate", "--profile", str(tmp_path / "bad.json"), "--rate", "1"]) == 2
-    assert "not a tokenloom plan profile" in capsys.readouterr().err or "unknown cost kind" in capsys.readouterr().err
+    assert "unknown cost kind" in capsys.readouterr().err
     assert main(["plan", "hardware", "--hardware", "H900", "--model", "smollm2-135m", "--out", str(tmp_path / "h.json")]) == 2
     prof = tmp_path / "h100.json"
     assert main(["plan", "hardware", "--hardware", "H100", "--model", "smollm2-135m", "--out", str(prof)]) == 0
