@@ -6,6 +6,10 @@ worker count that meets the SLOs is found by doubling and then bisecting: more w
 never make a fleet slower under the same arrivals (each gets a share of them), so meeting the SLOs is
 monotone in the count. The cheapest shape wins; ties go to the lower p99 TTFT. A fleet meets the SLOs
 when every request finished and p99 TTFT and p99 TPOT are within them.
+
+The verdict holds for the simulated window only: a fleet slightly short of capacity builds its queue
+slowly and can still meet a TTFT SLO over a few seconds of arrivals. Give --num-requests for a window
+many times the requests' end-to-end latency before trusting an answer near capacity.
 """
 
 from __future__ import annotations
