@@ -137,3 +137,14 @@ def test_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert main(["plan", "simulate", "--profile", str(prof), "--rate", "5", "--workers", "0"]) == 2
     assert main(["plan", "search", "--profile", str(prof), "--rate", "5", "--slo-ttft-p99", "0",
                  "--slo-tpot-p99", "1"]) == 2
+
+
+def test_model_shapes_from_an_hf_folder_and_a_gguf(tiny_llama: Path, smollm2_gguf: Path) -> None:
+    from tokenloom.models.config import ModelConfig
+
+    assert load_model_shape(str(tiny_llama)) == ModelConfig.from_hf_folder(tiny_llama)
+    assert load_model_shape(str(tiny_llama / "config.json")) == ModelConfig.from_hf_folder(tiny_llama)
+    smol = ModelShape.of(load_model_shape(str(smollm2_gguf)))
+    assert smol == ModelShape.of(load_model_shape("smollm2-135m"))  # the preset is the shipped file's shapes
+    with pytest.raises(ConfigError):
+        load_model_shape("no-such-model")

@@ -24,7 +24,9 @@ COLUMNS = ["fleet", "rate", "completed", "failed", "request_throughput", "output
 
 
 def fleet_name(workers: int, prefill_workers: int) -> str:
-    return f"{workers} workers" if not prefill_workers else f"{prefill_workers}P+{workers}D"
+    if prefill_workers:
+        return f"{prefill_workers}P+{workers}D"
+    return f"{workers} worker" + ("s" if workers > 1 else "")
 
 
 def knees(points: list[dict[str, Any]], efficiency: float = 0.5) -> dict[str, float | None]:
