@@ -206,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--out", type=Path, default=Path("results/compare"))
     cmp_.set_defaults(func=_bench_compare)
 
+    add_plan_parser(sub)
+
     qz = sub.add_parser("quantize", help="write a weight-only quantized checkpoint (HF folder) that loads back fast")
     qz.add_argument("--model", default=None, help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     qz.add_argument("--out", type=Path, required=True, help="output folder")
@@ -224,7 +226,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_router_parser(sub)
     add_cluster_parser(sub)
-    add_plan_parser(sub)
     return parser
 
 
