@@ -19,6 +19,7 @@ from tokenloom.engine.warmup import warm_up
 from tokenloom.engine_args import add_engine_args, engine_config
 from tokenloom.errors import ConfigError, TokenloomError
 from tokenloom.llm import LLM
+from tokenloom.plan.cli import add_plan_parser
 from tokenloom.quant.write_checkpoint import quantize_checkpoint
 from tokenloom.router.cli import add_cluster_parser, add_router_parser
 from tokenloom.sampling_params import SamplingParams
@@ -205,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("runs", nargs="+", type=Path, help="results folders")
     cmp_.add_argument("--out", type=Path, default=Path("results/compare"))
     cmp_.set_defaults(func=_bench_compare)
+
+    add_plan_parser(sub)
 
     qz = sub.add_parser("quantize", help="write a weight-only quantized checkpoint (HF folder) that loads back fast")
     qz.add_argument("--model", default=None, help="HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")

@@ -1,0 +1,150 @@
+"""The capacity planner's step costs: the fit recovers known coefficients, the roofline matches hand
+arithmetic, a profile of real engine steps on a tiny model is a fittable JSON, trace replay, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tokenloom.cli import main
+from tokenloom.config import EngineConfig
+from tokenloom.errors import ConfigError
+from tokenloom.plan.cost_model import FEATURES, LinearStepCost, features, nnls
+from tokenloom.plan.hardware import SPECS, ModelShape, RooflineStepCost, load_model_shape
+from tokenloom.plan.profile import ProfileGrid, profile_engine
+from tokenloom.plan.profile_file import Profile
+from tokenloom.plan.simulator import FleetConfig, simulate
+from tokenloom.plan.workload import poisson, replay
+
+
+def random_rows(rng: random.Random) -> list[tuple[int, int]]:
+    rows = [(1, rng.randrange(1, 3000)) for _ in range(rng.randrange(0, 64))]
+    rows += [(rng.randrange(2, 512), rng.randrange(0, 2000)) for _ in range(rng.randrange(0, 3))]
+    return rows or [(1, 5)]
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    rng = random.Random(0)
+    true = LinearStepCost((0.004, 2e-5, 1e-4, 3e-8, 1e-9, 0.01, 2e-4))
+    samples = [(rows, true.step_time(rows)) for rows in (random_rows(rng) for _ in range(60))]
+    got = LinearStepCost.fit(samples)
+    assert got.coef == pytest.approx(true.coef, rel=1e-6)
+
+
+def test_features_by_hand() -> None:
+    # 2 decodes at contexts 9 and 19 (they attend to 10 and 20 keys) and a 4-token chunk after 6 computed:
+    # pairs 4 * (6 + 2.5) = 34.
+    assert features([(1, 9), (1, 19), (4, 6)]) == [1.0, 6.0, 3.0, 30.0, 34.0, 1.0, 1.0]
+    assert features([(1, 9)]) == [1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.0]
+    assert len(FEATURES) == 7
+
+
+def test_robust_fit_leaves_out_steps_slowed_by_other_processes() -> None:
+    rng = random.Random(1)
+    true = LinearStepCost((0.004, 2e-5, 1e-4, 3e-8, 1e-9, 0.01, 2e-4))
+    samples = [(rows, true.step_time(rows)) for rows in (random_rows(rng) for _ in range(60))]
+    slowed = {3, 17, 40}
+    noisy = [(rows, t * 10 if i in slowed else t) for i, (rows, t) in enumerate(samples)]
+    got, keep = LinearStepCost.fit_robust(noisy)
+    assert {i for i, k in enumerate(keep) if not k} == slowed
+    assert got.coef == pytest.approx(true.coef, rel=1e-6)
+
+
+def test_nnls_matches_least_squares_when_unconstrained_and_clips_otherwise() -> None:
+    rng = np.random.default_rng(0)
+    a = rng.random((40, 4))
+    x = np.array([1.0, 2.0, 0.5, 3.0])
+    assert nnls(a, a @ x) == pytest.approx(x)
+    b = a @ np.array([1.0, -2.0, 0.5, 3.0])  # the unconstrained optimum has a negative coefficient
+    got = nnls(a, b)
+    assert (got >= 0).all()
+    # Reference: brute force over which coefficients are zero, least squares on the rest.
+    best = min((np.linalg.norm(a[:, m] @ np.linalg.lstsq(a[:, m], b, rcond=None)[0] - b), m)
+               for m in ([i for i in range(4) if (k >> i) & 1] for k in range(1, 16))
+               if (np.linalg.lstsq(a[:, m], b, rcond=None)[0] >= 0).all())
+    assert np.linalg.norm(a @ got - b) == pytest.approx(best[0], rel=1e-9)
+
+
+def test_roofline_of_llama_8b_on_h100_by_hand() -> None:
+    cost = RooflineStepCost(SPECS["H100"], ModelShape.of(load_model_shape("llama-3.1-8b")))
+    # Per layer: attention 4096 * (4096 + 2 * 1024) + 4096 * 4096 = 41,943,040; MLP 3 * 4096 * 14336 =
+    # 176,160,768; x 32 layers = 6,979,321,856. LM head 4096 * 128256 = 525,336,576. bf16 weights:
+    # 15,009,316,864 bytes. K/V per token: 2 * 32 layers * 8 heads * 128 * 2 bytes = 131,072.
+    assert cost.shape.dense_params == 6_979_321_856
+    assert cost.shape.weight_bytes == 15_009_316_864
+    assert cost.shape.kv_bytes_per_token == 131_072
+    # One decode row after 1,023 tokens: reads the weights and 1,024 keys' K/V, writes 1 token's.
+    p = cost.step_parts([(1, 1023)])
+    assert p["bytes"] == 15_009_316_864 + 131_072 * 1025
+    assert p["flops"] == 2 * 6_979_321_856 + 2 * 525_336_576 + 4 * 32 * 32 * 128 * 1024
+    assert p["memory_s"] == pytest.approx(15_143_665_664 / (3.35e12 * 0.7))
+    assert cost.step_time([(1, 1023)]) == pytest.approx(15_143_665_664 / (3.35e12 * 0.7) + 0.002)
+    # 80 GB less the weights, 90% of it for K/V: 4,008,906,240-ish... by the formula:
+    assert cost.kv_capacity_tokens() == int((80e9 - 15_009_316_864) * 0.9 / 131_072)
+
+
+def test_profile_of_a_tiny_model_is_a_fittable_json(tiny_llama: Path, tmp_path: Path) -> None:
+    config = EngineConfig(model=str(tiny_llama), max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory="32MiB")
+    grid = ProfileGrid(decode_rows=(1, 7), context_lens=(16, 48), decode_steps=2, mixed_prompt_len=24, warmup_steps=1)
+    prof = profile_engine(config, grid)
+    samples = prof.fit["samples"]
+    assert len(samples) >= 10
+    # Every timed step is one the engine's scheduler made: within its budget and sequence cap.
+    for rows, t in samples:
+        assert t > 0 and 1 <= len(rows) <= 8 and sum(n for n, _ in rows) <= 64
+    assert any(len(rows) == 7 and all(n == 1 for n, _ in rows) for rows, _ in samples)  # the 7-row decodes
+    assert any(n > 1 for rows, _ in samples for n, _ in rows)  # prefill chunks
+    path = tmp_path / "p.json"
+    prof.save(path)
+    back = Profile.load(path)
+    assert back.cost == prof.cost and back.num_blocks == prof.num_blocks and back.source == "measured"
+    assert back.machine["cpu"] and "engine_config" in back.machine
+    saved = json.loads(path.read_text())["fit"]
+    refit = LinearStepCost.fit([(rows, t) for (rows, t), k in zip(saved["samples"], saved["kept"]) if k])
+    assert refit.coef == pytest.approx(prof.cost.coef, rel=1e-6)
+    s = simulate(back, FleetConfig(), poisson(2.0, 5, 20, 4, seed=0))
+    assert all(r.end is not None for r in s.records)
+
+
+def test_replay_of_bench_records(tmp_path: Path) -> None:
+    csv = tmp_path / "records.csv"
+    csv.write_text("start,input_tokens,output_tokens,session,turn\n"
+                   "10.0,40,8,0,0\n10.5,40,8,1,0\n11.0,70,8,0,1\n12.0,30,5,,\n")
+    reqs = replay(csv, system_len=32)
+    assert [r.arrival for r in reqs] == [0.0, 0.5, 1.0, 2.0]
+    a, b, a2, lone = reqs
+    assert a2.prompt_token_ids[:40] == a.prompt_token_ids  # a session's next call resends the conversation
+    assert a.prompt_token_ids[:32] == b.prompt_token_ids[:32] and a.prompt_token_ids != b.prompt_token_ids
+    assert lone.session is None and lone.input_len == 30 and lone.output_len == 5
+    with pytest.raises(ConfigError):
+        replay(tmp_path / "missing.csv")
+
+
+def test_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "simulate", "--profile", str(tmp_path / "none.json"), "--rate", "1"]) == 2
+    assert "cannot read profile" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text('{"source": "measured"}')
+    assert main(["plan", "simulate", "--profile", str(tmp_path / "bad.json"), "--rate", "1"]) == 2
+    assert "unknown cost kind" in capsys.readouterr().err
+    assert main(["plan", "hardware", "--hardware", "H900", "--model", "smollm2-135m", "--out", str(tmp_path / "h.json")]) == 2
+    prof = tmp_path / "h100.json"
+    assert main(["plan", "hardware", "--hardware", "H100", "--model", "smollm2-135m", "--out", str(prof)]) == 0
+    assert main(["plan", "simulate", "--profile", str(prof)]) == 2  # neither --rate nor --trace
+    assert main(["plan", "simulate", "--profile", str(prof), "--rate", "5", "--workers", "0"]) == 2
+    assert main(["plan", "search", "--profile", str(prof), "--rate", "5", "--slo-ttft-p99", "0",
+                 "--slo-tpot-p99", "1"]) == 2
+
+
+def test_model_shapes_from_an_hf_folder_and_a_gguf(tiny_llama: Path, smollm2_gguf: Path) -> None:
+    from tokenloom.models.config import ModelConfig
+
+    assert load_model_shape(str(tiny_llama)) == ModelConfig.from_hf_folder(tiny_llama)
+    assert load_model_shape(str(tiny_llama / "config.json")) == ModelConfig.from_hf_folder(tiny_llama)
+    smol = ModelShape.of(load_model_shape(str(smollm2_gguf)))
+    assert smol == ModelShape.of(load_model_shape("smollm2-135m"))  # the preset is the shipped file's shapes
+    with pytest.raises(ConfigError):
+        load_model_shape("no-such-model")

@@ -1,0 +1,177 @@
+"""The capacity planner's simulator: hand-computed latencies, the engine's own scheduler and KV cache
+manager (not a copy), determinism, block-pool invariants under pressure, and the fleet search."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tokenloom.engine.block_pool import BlockPool
+from tokenloom.engine.kv_cache_manager import KVCacheManager
+from tokenloom.engine.scheduler import Scheduler
+from tokenloom.errors import ConfigError
+from tokenloom.plan.cost_model import FEATURES, LinearStepCost
+from tokenloom.plan.metrics import fleet_summary
+from tokenloom.plan.profile_file import Profile
+from tokenloom.plan.search import SLO, search
+from tokenloom.plan.simulator import FleetConfig, SimulationError, SimWorker, Simulation, simulate
+from tokenloom.plan.workload import SimRequest, poisson
+
+
+def profile(coef: tuple[float, ...], num_blocks: int = 1000, seqs: int = 8, budget: int = 64,
+            block_size: int = 16) -> Profile:
+    coef = tuple(coef) + (0.0,) * (len(FEATURES) - len(coef))  # the features left out cost nothing
+    return Profile("measured", "fake", LinearStepCost(coef), block_size, num_blocks, 1000.0, seqs, budget, 4096)
+
+
+def req(t: float, n: int, out: int, base: int = 0) -> SimRequest:
+    return SimRequest(t, tuple(range(base, base + n)), out)
+
+
+def test_fixed_step_times_give_hand_computed_latencies() -> None:
+    # Every step takes 10 ms. A (8-token prompt, 3 tokens) arrives at 0: prefill [0, .01] -> token 1 at .01,
+    # then decodes at .02 and .03. B (8, 2) arrives at .005, mid-step: it joins step 2 [.01, .02] beside A's
+    # decode (first token .02), decodes in step 3 (.03). C arrives at 1.0 on an idle worker: .01 later.
+    p = profile((0.01, 0, 0, 0, 0))
+    res = simulate(p, FleetConfig(), [req(0.0, 8, 3), req(0.005, 8, 2, 100), req(1.0, 8, 1, 200)])
+    a, b, c = res.records
+    assert a.token_times == pytest.approx([0.01, 0.02, 0.03])
+    assert b.token_times == pytest.approx([0.02, 0.03])
+    assert c.token_times == pytest.approx([1.01])
+    s = fleet_summary(res)
+    assert s["completed"] == 3
+    assert s["ttft_s_mean"] == pytest.approx((0.01 + 0.015 + 0.01) / 3)
+    assert s["tpot_s_median"] == pytest.approx(0.01)
+    assert s["duration_s"] == pytest.approx(1.01)
+
+
+def test_token_dependent_cost_and_chunked_prefill() -> None:
+    # step = 1 ms + 0.1 ms per token, chunk 64: a 100-token prompt runs as 64 then 36 tokens
+    # (7.4 ms, 4.6 ms: first token at 12 ms), then one decode step (1.1 ms).
+    p = profile((0.001, 1e-4, 0, 0, 0), budget=64)
+    (r,) = simulate(p, FleetConfig(), [req(0.0, 100, 2)]).records
+    assert r.token_times == pytest.approx([0.012, 0.0131])
+
+
+def test_the_workers_run_the_engines_scheduler_and_kv_manager(monkeypatch: pytest.MonkeyPatch) -> None:
+    sim = Simulation(profile((0.01, 0, 0, 0, 0)), FleetConfig(workers=2, prefill_workers=1))
+    for w in sim.decode + sim.prefill:
+        assert type(w.scheduler) is Scheduler and type(w.kv) is KVCacheManager and type(w.kv.pool) is BlockPool
+    # Patching the engine's classes changes what the simulation does: it cannot be running a copy.
+    calls = []
+    original = Scheduler.schedule
+
+    def counting(self: Scheduler):  # type: ignore[no-untyped-def]
+        calls.append(self)
+        return original(self)
+
+    monkeypatch.setattr(Scheduler, "schedule", counting)
+    shared = poisson(5.0, 20, 64, 4, seed=1, shared_prefix_len=48)
+    hits = fleet_summary(simulate(profile((0.01, 0, 0, 0, 0)), FleetConfig(), shared))["prefix_hit_rate"]
+    assert calls and hits > 0.5
+    monkeypatch.setattr(KVCacheManager, "find_cached_prefix", lambda self, seq: _no_hit(self))
+    assert fleet_summary(simulate(profile((0.01, 0, 0, 0, 0)), FleetConfig(), shared))["prefix_hit_rate"] == 0
+
+
+def _no_hit(kv: KVCacheManager):  # type: ignore[no-untyped-def]
+    from tokenloom.engine.kv_cache_manager import PrefixHit
+
+    return PrefixHit([[] for _ in kv.windows])
+
+
+def test_same_seed_same_simulation_and_another_seed_differs() -> None:
+    p = profile((0.002, 1e-5, 1e-4, 1e-7, 1e-8))
+    fleet = FleetConfig(workers=3, policy="cache_aware")
+
+    def times(seed: int) -> list[list[float]]:
+        reqs = poisson(40.0, 120, 100, 16, seed=seed, range_ratio=0.5, shared_prefix_len=32)
+        return [r.token_times for r in simulate(p, fleet, reqs, seed=seed).records]
+
+    assert times(3) == times(3)
+    assert times(3) != times(4)
+
+
+@pytest.mark.parametrize("fleet", [FleetConfig(workers=2), FleetConfig(workers=1, prefill_workers=1)])
+def test_block_pool_invariants_hold_under_pressure(fleet: FleetConfig) -> None:
+    # 40 blocks of 16 tokens for up to 8 sequences of up to ~200 tokens: preemptions must happen.
+    p = profile((0.002, 1e-5, 1e-4, 0, 0), num_blocks=40, seqs=8, budget=64)
+    checked = []
+
+    def check(w: SimWorker) -> None:
+        pool = w.kv.pool
+        pool.check_invariants()
+        assert len(pool._free) + pool.num_cached + pool.num_used == pool.num_blocks  # free + cached + used
+        held = [b for s in w.scheduler.running for t in s.block_tables for b in t if b >= 0]
+        # Prefix sharing: a block may sit in several tables, once per reference.
+        assert len(set(held)) == pool.num_used and len(held) == sum(pool.ref_counts)
+        checked.append(w)
+
+    reqs = poisson(30.0, 80, 120, 60, seed=2, range_ratio=0.5, shared_prefix_len=32)
+    res = simulate(p, fleet, reqs, on_step=check)
+    s = fleet_summary(res)
+    assert checked and s["completed"] == 80
+    assert s["preemptions"] > 0
+    for w in res.workers:  # everything finished: nothing is held
+        assert w.kv.pool.num_used == 0 and not w.scheduler.has_unfinished()
+
+
+def test_a_prompt_larger_than_the_kv_cache_is_an_error() -> None:
+    with pytest.raises(SimulationError, match="cannot admit"):
+        simulate(profile((0.01, 0, 0, 0, 0), num_blocks=2), FleetConfig(), [req(0.0, 100, 2)])
+    with pytest.raises(ConfigError):
+        FleetConfig(workers=0)
+    with pytest.raises(ConfigError):
+        FleetConfig(policy="random")
+
+
+def test_split_fleet_adds_the_kv_transfer() -> None:
+    # 32-token prompt, 100 bytes per token, 1 KB/s: 3.2 s + 0.5 s latency between prefill and decode.
+    p = Profile("measured", "fake", profile((0.01,)).cost, 16, 100, 100.0, 8, 64, 4096)
+    fleet = FleetConfig(workers=1, prefill_workers=1, link_bandwidth=1000.0, link_latency_s=0.5)
+    (r,) = simulate(p, fleet, [req(0.0, 32, 2)]).records
+    # prefill step [0, .01]; transfer to 3.71; the decode worker computes the last token (the prompt's
+    # full blocks are cached but one token always is), first token 3.72, second 3.73.
+    assert r.kv_transfer_s == pytest.approx(3.7)
+    assert r.token_times == pytest.approx([3.72, 3.73])
+    assert r.cached_tokens == 16  # (32 - 1) // 16 full blocks found in the decode worker's cache
+
+
+def test_search_finds_the_known_cheapest_fleet() -> None:
+    # Each step costs 1 ms per token and nothing else, so a worker computes 1,000 tokens/s however it
+    # batches. A request is 10 prompt + 10 output tokens = 19 computed tokens -> 19 ms of work; at 120 req/s
+    # the fleet needs 2.28 workers' time: 2 workers fall behind (their queues grow), 3 keep up.
+    p = profile((0, 1e-3, 0, 0, 0), num_blocks=2000, seqs=64, budget=256)
+    reqs = poisson(120.0, 1200, 10, 10, seed=0)
+    best, tried = search(p, reqs, SLO(0.5, 1.0), FleetConfig(), max_workers=8)
+    assert best is not None and best.fleet.workers == 3 and best.fleet.prefill_workers == 0
+    missed = {c.fleet.workers for c in tried if not c.meets}
+    assert 2 in missed
+
+
+def test_calibration_recovers_a_known_serving_overhead(tmp_path: Path) -> None:
+    import json
+
+    import pandas as pd
+
+    from tokenloom.plan.calibrate import calibrate
+    from tokenloom.plan.metrics import to_bench_record
+
+    # "Reality": a server whose steps cost 3 ms + 0.4 ms per row more than its profile says. Two bench
+    # points (2 and 30 req/s, so different batch sizes) written as `bench serve` writes them.
+    bare = profile((0.002, 1e-5, 2e-4))
+    real = replace(bare, overhead_step_s=0.003, overhead_row_s=0.0004)
+    rows, points = [], []
+    for rate in (2.0, 30.0):
+        res = simulate(real, FleetConfig(), poisson(rate, 150, 64, 32, seed=5))
+        recs = [to_bench_record(r) for r in res.records]
+        points.append({"input_len": 64, "concurrency": None, "request_rate": rate,
+                       **fleet_summary(res)})
+        rows += [{"input_len": 64, "request_rate": rate, **r.to_row()} for r in recs]
+    (tmp_path / "summary.json").write_text(json.dumps({"points": points}))
+    pd.DataFrame(rows).to_csv(tmp_path / "records.csv", index=False)
+    got = calibrate(bare, [tmp_path], FleetConfig())
+    assert got.overhead_step_s == pytest.approx(0.003, rel=0.3)
+    assert got.overhead_row_s == pytest.approx(0.0004, rel=0.3)
+    assert got.cost == bare.cost and len(got.calibration["points"]) == 2

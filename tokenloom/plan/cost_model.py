@@ -1,0 +1,130 @@
+"""What one engine step costs: a linear model over features of the scheduled batch, fitted by least squares.
+
+A step is described by its rows, one per scheduled sequence: (num_new_tokens, num_computed_before). The
+features are what dominates each phase of a CPU/GPU step:
+- fixed: Python overhead of schedule + update, the launch of the forward, output handling (seconds/step);
+- tokens: sum of num_new_tokens: the linear layers' matmuls grow with the rows of the flat batch;
+- rows: scheduled sequences: sampling and per-sequence bookkeeping;
+- decode_ctx: sum over decode rows (1 token) of the context they attend to: KV bytes read;
+- prefill_pairs: sum over chunk rows of the (query, key) pairs of causal attention,
+  n * (computed + (n + 1) / 2): quadratic in the chunk;
+- has_chunk: 1 when any row is a chunk (n > 1): such a step leaves the fused decode path (on CPU a pure
+  decode step runs the whole layer stack in one C++ call) for the general one, which costs more per step;
+- chunk_rows: rows with n > 1: per-chunk work of the general path (metadata, per-sequence attention).
+step_time = coef . features, coefficients >= 0 (non-negative least squares, so no phase has a negative
+cost that would make a bigger batch cheaper).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from tokenloom.errors import ConfigError
+
+FEATURES = ("fixed", "tokens", "rows", "decode_ctx", "prefill_pairs", "has_chunk", "chunk_rows")
+Row = tuple[int, int]  # (num_new_tokens, num_computed_tokens before the step)
+
+
+class StepCost(Protocol):
+    """Seconds one step of these rows takes."""
+
+    def step_time(self, rows: Sequence[Row]) -> float: ...
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+def features(rows: Sequence[Row]) -> list[float]:
+    """The FEATURES of one step (see the module docstring)."""
+    tokens = sum(n for n, _ in rows)
+    decode_ctx = sum(c + 1 for n, c in rows if n == 1)
+    pairs = sum(n * (c + (n + 1) / 2) for n, c in rows if n > 1)
+    chunks = sum(1 for n, _ in rows if n > 1)
+    return [1.0, float(tokens), float(len(rows)), float(decode_ctx), float(pairs), float(chunks > 0), float(chunks)]
+
+
+def nnls(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
+    """Non-negative least squares, min |a x - b| with x >= 0, by Lawson-Hanson's active set method.
+    a: (m, k), b: (m,). Small k (5 features), so the plain algorithm is quick."""
+    m, k = a.shape
+    x = np.zeros(k)
+    passive = np.zeros(k, dtype=bool)
+    for _ in range(iters):
+        w = a.T @ (b - a @ x)
+        if passive.all() or (w[~passive] <= 1e-12 * max(1.0, np.abs(w).max())).all():
+            break
+        j = int(np.argmax(np.where(passive, -np.inf, w)))
+        passive[j] = True
+        while True:
+            z = np.zeros(k)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+            x[~passive] = 0.0
+    return x
+
+
+@dataclass(frozen=True)
+class LinearStepCost:
+    """step_time = coef . features(rows); coef in seconds per unit of each feature."""
+
+    coef: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.coef) != len(FEATURES) or any(c < 0 or not np.isfinite(c) for c in self.coef):
+            raise ConfigError(f"a linear step cost needs {len(FEATURES)} finite non-negative coefficients, "
+                              f"got {self.coef!r}")
+
+    def step_time(self, rows: Sequence[Row]) -> float:
+        return float(np.dot(self.coef, features(rows)))
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[Sequence[Row], float]]) -> LinearStepCost:
+        """Fit to (rows, measured seconds) samples. Each sample is weighted by 1 / its time, so the fit
+        minimises relative error: a 5 ms decode step matters as much as a 500 ms prefill."""
+        if len(samples) < len(FEATURES):
+            raise ConfigError(f"fitting a step cost needs at least {len(FEATURES)} timed steps, got {len(samples)}")
+        a = np.array([features(rows) for rows, _ in samples])
+        b = np.array([t for _, t in samples])
+        if (b <= 0).any():
+            raise ConfigError("a timed step took no time; the clock or the samples are wrong")
+        w = 1.0 / b
+        return cls(tuple(float(c) for c in nnls(a * w[:, None], b * w)))
+
+    @classmethod
+    def fit_robust(cls, samples: Sequence[tuple[Sequence[Row], float]], slow: float = 2.0,
+                   rounds: int = 5) -> tuple[LinearStepCost, list[bool]]:
+        """`fit`, then refit without the steps that took more than `slow` x the prediction, until none is
+        left out anew. On a shared machine another process's burst only ever slows a step down (one-sided
+        outliers); the mask (True: kept) says which samples the final fit used."""
+        keep = [True] * len(samples)
+        cost = cls.fit(samples)
+        for _ in range(rounds):
+            new = [t <= slow * cost.step_time(rows) for rows, t in samples]
+            if new == keep or sum(new) < len(FEATURES):
+                break
+            keep = new
+            cost = cls.fit([s for s, k in zip(samples, keep) if k])
+        return cost, keep
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "linear", "features": list(FEATURES), "coef": list(self.coef)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> LinearStepCost:
+        if list(d.get("features", [])) != list(FEATURES):
+            raise ConfigError(f"profile's cost features {d.get('features')!r} are not {list(FEATURES)}")
+        return cls(tuple(float(c) for c in d["coef"]))
+
+
+def relative_errors(cost: StepCost, samples: Sequence[tuple[Sequence[Row], float]]) -> list[float]:
+    """|predicted - measured| / measured for each sample: the fit's quality, saved with the profile."""
+    return [abs(cost.step_time(rows) - t) / t for rows, t in samples]

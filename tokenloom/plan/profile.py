@@ -1,0 +1,176 @@
+"""`tokenloom plan profile`: time real engine steps on this machine and fit the step-cost model.
+
+Every step is a real `LLMEngine.step()` of the engine built from the given flags (model, dtype, threads,
+chunk size, ...): its wall time is measured around the call, and its rows (num_new_tokens,
+num_computed_tokens) are read from the batch the engine's own scheduler made, through a recorder wrapped
+around that one engine instance's `schedule` (nothing in the engine changes). The grid:
+- decode: R rows at context L for each R in --decode-rows and L in --context-lens. The first request
+  computes the prompt (prefill chunks of up to max_num_batched_tokens at growing offsets: these are timed
+  too), the R - 1 others find it in the prefix cache (so 128 rows at 2,048 tokens cost one prefill, not
+  128) and compute only its last block; then --decode-steps decode steps are timed;
+- mixed: while the R rows decode, one fresh prompt of --mixed-prompt-len tokens joins (a step with decodes
+  and a prefill chunk).
+Speculative verification widths are not profiled: a verification row is costed as a chunk of 1 + k
+tokens (the same feature as a prefill chunk), which the simulator does not produce anyway.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tokenloom.config import EngineConfig
+from tokenloom.errors import ConfigError
+from tokenloom.plan.cost_model import LinearStepCost, Row, relative_errors
+from tokenloom.plan.profile_file import MEASURED, Profile
+from tokenloom.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    decode_rows: tuple[int, ...] = (1, 4, 16, 64, 128)
+    context_lens: tuple[int, ...] = (128, 512, 2048)
+    decode_steps: int = 4  # timed decode steps per (rows, context) point
+    mixed_prompt_len: int = 256
+    warmup_steps: int = 8  # untimed steps first (kernel JIT, allocator, caches)
+
+    def __post_init__(self) -> None:
+        if not self.decode_rows or not self.context_lens or min(self.decode_rows) < 1 or min(self.context_lens) < 1:
+            raise ConfigError("--decode-rows and --context-lens need positive values")
+        if self.decode_steps < 1 or self.mixed_prompt_len < 1 or self.warmup_steps < 0:
+            raise ConfigError("--decode-steps and --mixed-prompt-len must be >= 1, --warmup-steps >= 0")
+
+
+def machine_description(config: EngineConfig) -> dict[str, Any]:
+    import torch
+
+    cpu, flags = platform.processor(), []
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    flags = sorted(f for f in have if f.startswith(("avx512", "amx", "avx2", "fma")))
+                    break
+    except OSError:  # not Linux: the platform string is all there is
+        pass
+    return {"cpu": cpu, "cpu_flags": flags, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "engine_config": {k: v for k, v in vars(config).items()}}
+
+
+class _Recorder:
+    """Wraps one engine's `scheduler.schedule` to keep the rows of the batch it just made."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.rows: list[Row] = []
+        self._schedule = scheduler.schedule
+
+        def schedule() -> Any:
+            batch = self._schedule()
+            self.rows = [(n, s.num_computed_tokens) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+            return batch
+
+        scheduler.schedule = schedule
+
+
+def run_grid(engine: Any, grid: ProfileGrid, seed: int = 0,
+             log: Any = None) -> list[tuple[list[Row], float]]:
+    """Drive `engine` (an LLMEngine) over the grid; returns (rows, seconds) of every step it took."""
+    rec = _Recorder(engine.scheduler)
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    samples: list[tuple[list[Row], float]] = []
+    max_rows = engine.config.max_num_seqs
+    budget = engine.max_model_len - grid.decode_steps - 8
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    def step(timed: bool = True) -> None:
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        if timed and rec.rows:
+            samples.append((list(rec.rows), dt))
+
+    def add(ids: list[int], max_tokens: int) -> str:
+        return engine.add_request(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
+
+    def prefilling() -> bool:
+        return any(s.is_prefill or s.status.value == "waiting" for r in engine.requests.values() for s in r.seqs)
+
+    warm = add(prompt(min(64, budget)), max(1, grid.warmup_steps))
+    for _ in range(grid.warmup_steps + 8):
+        if not engine.has_unfinished_requests():
+            break
+        step(timed=False)
+    engine.abort_request(warm)
+    for ctx in grid.context_lens:
+        if ctx > budget - grid.mixed_prompt_len:
+            continue
+        for rows in grid.decode_rows:
+            if rows > max_rows - 1 and rows > 1:
+                rows = max_rows - 1  # leave a slot for the mixed step's prompt
+            ids = prompt(ctx)
+            room = grid.decode_steps + 4 + grid.mixed_prompt_len // max(engine.config.max_num_batched_tokens, 1) + 2
+            ids_all = [add(ids, room)]
+            while prefilling():
+                step()
+            ids_all += [add(ids, room) for _ in range(rows - 1)]  # prefix hits: only the last block computes
+            while prefilling():
+                step()
+            for _ in range(grid.decode_steps):
+                step()
+            ids_all.append(add(prompt(grid.mixed_prompt_len), 1))
+            step()  # decodes + the new prompt's first chunk
+            for rid in ids_all:
+                engine.abort_request(rid)
+            engine.reset_prefix_cache()
+            if log is not None:
+                log(f"rows {rows:4d} x context {ctx:5d}: {len(samples)} steps timed")
+    if len(samples) < 5:
+        raise ConfigError("the profile grid produced fewer than 5 timed steps; widen --decode-rows / --context-lens "
+                          "or raise --max-model-len")
+    return samples
+
+
+def fit_profile(config: EngineConfig, engine: Any, samples: Sequence[tuple[list[Row], float]],
+                model_name: str) -> Profile:
+    cost, keep = LinearStepCost.fit_robust(samples)
+    errs = relative_errors(cost, [s for s, k in zip(samples, keep) if k])
+    from tokenloom.disagg.blocks import KVLayout
+
+    try:
+        kv_per_token = KVLayout.of(engine).block_nbytes / config.block_size
+    except ConfigError:  # several KV groups (windowed layers): what one token's K/V takes over all layers
+        kv_per_token = engine.capacity.bytes_total / engine.capacity.num_tokens
+    fit = {"samples": [[list(map(list, rows)), t] for rows, t in samples], "kept": keep,
+           "left_out": len(samples) - sum(keep),
+           "median_rel_error": float(np.median(errs)), "p90_rel_error": float(np.percentile(errs, 90)),
+           "max_rel_error": float(np.max(errs))}
+    return Profile(MEASURED, model_name, cost, config.block_size, engine.capacity.num_blocks, float(kv_per_token),
+                   config.max_num_seqs, config.max_num_batched_tokens, engine.max_model_len,
+                   tuple(engine.kv.windows), machine_description(config), fit)
+
+
+def profile_engine(config: EngineConfig, grid: ProfileGrid, seed: int = 0, log: Any = None) -> Profile:
+    """Build the engine of `config`, time it over `grid` and fit its profile."""
+    if config.speculative is not None:
+        raise ConfigError("plan profile does not time speculative decoding; profile without --speculative")
+    from tokenloom.engine.engine import LLMEngine
+
+    engine = LLMEngine(config)
+    samples = run_grid(engine, grid, seed, log)
+    return fit_profile(config, engine, samples, engine.model_name)

@@ -1,0 +1,90 @@
+"""A profile: what the simulator needs of one worker. Its step cost (measured and fitted, or analytic),
+its KV cache (block size, blocks, bytes per token, each KV group's window) and the engine limits it was
+taken with, the model and the machine. Saved as JSON; `source` says whether it was measured."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenloom.errors import ConfigError
+from tokenloom.plan.cost_model import LinearStepCost, StepCost
+
+MEASURED = "measured"
+
+
+@dataclass(frozen=True)
+class Profile:
+    source: str  # "measured" or hardware.ANALYTIC
+    model: str
+    cost: StepCost
+    block_size: int
+    num_blocks: int
+    kv_bytes_per_token: float  # what a prefill -> decode transfer ships per prompt token
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    windows: tuple[int | None, ...] = (None,)  # each KV group's window (None: full attention)
+    machine: dict[str, Any] = field(default_factory=dict)
+    fit: dict[str, Any] = field(default_factory=dict)  # measured: the samples and the fit's errors
+    # Serving time outside the engine step (HTTP, streaming, the async loop, the client), seconds per step
+    # and per scheduled row; 0 unless `plan calibrate` fitted them to a real server's runs.
+    overhead_step_s: float = 0.0
+    overhead_row_s: float = 0.0
+    calibration: dict[str, Any] = field(default_factory=dict)
+
+    def step_time(self, rows: list[tuple[int, int]]) -> float:
+        """One simulated step: the engine step's cost plus the serving overhead."""
+        return self.cost.step_time(rows) + self.overhead_step_s + self.overhead_row_s * len(rows)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"profile: {name} must be a positive integer, got {v!r}")
+        if self.overhead_step_s < 0 or self.overhead_row_s < 0:
+            raise ConfigError("profile: serving overheads must be >= 0")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source": self.source, "model": self.model, "cost": self.cost.to_json(), "block_size": self.block_size,
+                "num_blocks": self.num_blocks, "kv_bytes_per_token": self.kv_bytes_per_token,
+                "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+                "max_model_len": self.max_model_len, "windows": list(self.windows), "machine": self.machine,
+                "fit": self.fit, "overhead_step_s": self.overhead_step_s, "overhead_row_s": self.overhead_row_s,
+                "calibration": self.calibration}
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Profile:
+        kind = d.get("cost", {}).get("kind")
+        cost: StepCost
+        if kind == "linear":
+            cost = LinearStepCost.from_json(d["cost"])
+        elif kind == "roofline":
+            from tokenloom.plan.hardware import RooflineStepCost
+
+            cost = RooflineStepCost.from_json(d["cost"])
+        else:
+            raise ConfigError(f"profile: unknown cost kind {kind!r} (linear or roofline)")
+        return cls(d["source"], d["model"], cost, int(d["block_size"]), int(d["num_blocks"]),
+                   float(d["kv_bytes_per_token"]), int(d["max_num_seqs"]), int(d["max_num_batched_tokens"]),
+                   int(d["max_model_len"]), tuple(d.get("windows", [None])), d.get("machine", {}), d.get("fit", {}),
+                   float(d.get("overhead_step_s", 0.0)), float(d.get("overhead_row_s", 0.0)), d.get("calibration", {}))
+
+    @classmethod
+    def load(cls, path: Path) -> Profile:
+        try:
+            d = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise ConfigError(f"cannot read profile {path}: {e.strerror}") from None
+        except ValueError as e:
+            raise ConfigError(f"{path} is not JSON: {e}") from None
+        try:
+            return cls.from_json(d)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{path} is not a tokenloom plan profile ({type(e).__name__}: {e})") from None

@@ -1,0 +1,320 @@
+"""Discrete-event simulation of a fleet: a router in front of N workers, each running the engine's own
+Scheduler and KVCacheManager / BlockPool on simulated time.
+
+Each worker is the engine's step loop without a model: `Scheduler.schedule()` picks the batch, the step
+takes `profile.step_time(rows)` simulated seconds (the step cost, plus the serving overhead `plan calibrate`
+fitted, if any), then `Scheduler.update()` settles it with a token for
+every row whose step reached the end of its known tokens (the runner's rule: a prefill chunk that stops
+mid-prompt samples nothing). Prefix-cache hits, preemption (recomputation) and chunked prefill therefore
+happen exactly as in the engine: it is the engine's code. What the simulation leaves out: stop strings
+and EOS (a request ends at its output length, as `bench serve` asks with ignore_eos), speculative
+decoding, HTTP and detokenization time (part of the measured `fixed` cost only as far as the profile's
+engine steps include them).
+
+Routing: colocated fleets choose a worker with tokenloom.router.policies (the router's own classes, over
+the router's Worker records). Split fleets do what router/disagg.py does: choose the decode worker, then
+a prefill worker (its own policy instance); the prefill worker computes the prompt (max_tokens 1), ships
+its full blocks (bytes = blocks * block_size * kv_bytes_per_token, time = bytes / link bandwidth + latency),
+the decode worker enters them in its prefix cache (the pool calls of disagg/blocks.py's import_prefix)
+and then serves the request, finding the prompt cached.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tokenloom.engine.block_pool import NO_PARENT
+from tokenloom.engine.kv_cache_manager import KVCacheManager
+from tokenloom.engine.output_processor import OutputProcessor
+from tokenloom.engine.sampler import SamplerOutput
+from tokenloom.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from tokenloom.engine.sequence import Sequence, SequenceStatus
+from tokenloom.errors import ConfigError, TokenloomError
+from tokenloom.plan.profile_file import Profile
+from tokenloom.plan.workload import VOCAB, SimRequest
+from tokenloom.router.config import POLICIES, RouterConfig
+from tokenloom.router.policies import Policy, make_policy
+from tokenloom.router.prefix import routing_key
+from tokenloom.router.workers import Worker
+from tokenloom.sampling_params import SamplingParams
+
+
+class SimulationError(TokenloomError):
+    """The simulated fleet cannot serve the workload at all (e.g. a prompt larger than a worker's KV cache)."""
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    workers: int = 1  # colocated workers; the decode workers when prefill_workers > 0
+    prefill_workers: int = 0
+    policy: str = "least_outstanding"  # the router's --policy
+    max_num_seqs: int | None = None  # None: the profile's
+    max_num_batched_tokens: int | None = None  # the prefill chunk: None: the profile's
+    enable_prefix_caching: bool = True
+    link_bandwidth: float = 10e9  # bytes/s of a prefill -> decode KV transfer
+    link_latency_s: float = 1e-3  # per transfer (connection, signing, import)
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ConfigError(f"--workers must be >= 1, got {self.workers}")
+        if self.prefill_workers < 0:
+            raise ConfigError(f"--prefill-workers must be >= 0, got {self.prefill_workers}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"--policy {self.policy!r}: expected one of {', '.join(POLICIES)}")
+        if self.link_bandwidth <= 0 or self.link_latency_s < 0:
+            raise ConfigError("--link-bandwidth must be > 0 and --link-latency >= 0")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.workers + self.prefill_workers
+
+
+class LengthOutput(OutputProcessor):
+    """The output processor's part the scheduler needs, without a tokenizer: append the token and end the
+    sequence at max_tokens (the simulated requests ignore EOS, as the bench's do)."""
+
+    def __init__(self) -> None:  # noqa: D107 - no tokenizer: nothing is detokenized
+        pass
+
+    def append(self, seq: Sequence, token: int, logprob: object) -> SequenceStatus | None:
+        seq.token_ids.append(token)
+        if seq.num_output_tokens >= seq.max_tokens:
+            seq.output.finish_reason = "length"
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+
+@dataclass
+class SimRecord:
+    """One request's simulated timeline (seconds of simulated time)."""
+
+    request: SimRequest
+    worker: int = -1  # the (decode) worker that served it
+    prefill_worker: int | None = None
+    first_token: float | None = None
+    end: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens found in the serving worker's prefix cache
+    preemptions: int = 0
+    kv_transfer_s: float = 0.0
+
+
+class SimWorker:
+    """One engine: the engine's Scheduler and KV cache manager, and a step that takes the profile's time."""
+
+    def __init__(self, index: int, role: str, profile: Profile, fleet: FleetConfig, rng: random.Random) -> None:
+        self.index, self.role = index, role
+        self.kv = KVCacheManager(profile.num_blocks, profile.block_size, fleet.enable_prefix_caching,
+                                 windows=profile.windows)
+        seqs = fleet.max_num_seqs or profile.max_num_seqs
+        budget = max(fleet.max_num_batched_tokens or profile.max_num_batched_tokens, seqs)
+        self.scheduler = Scheduler(SchedulerConfig(seqs, budget, profile.max_model_len), self.kv)
+        self.output = LengthOutput()
+        self.profile = profile
+        self.route = Worker(f"http://{role}-{index}.sim", index, healthy=True)  # what the router's policy sees
+        self.batch: ScheduledBatch | None = None
+        self.rng = rng
+        self.steps = 0
+        self.busy_s = 0.0
+        self.samples: list[tuple[int, int, float]] = []  # per step: (waiting, running, KV usage)
+
+    def start_step(self) -> float | None:
+        """Schedule a step; its duration, or None when there is nothing to run."""
+        if not self.scheduler.has_unfinished():
+            return None
+        batch = self.scheduler.schedule()
+        if not batch:
+            waiting = self.scheduler.waiting()
+            need = waiting[0].num_tokens if waiting else 0
+            raise SimulationError(f"worker {self.role}/{self.index} cannot admit a {need}-token request: its KV "
+                                  f"cache ({self.kv.pool.num_blocks} blocks of {self.kv.block_size}) or token "
+                                  f"budget is too small")
+        self.batch = batch
+        rows = [(n, s.num_computed_tokens) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        self.samples.append((self.scheduler.num_waiting, self.scheduler.num_running, self.kv.usage))
+        dt = self.profile.step_time(rows)
+        self.steps += 1
+        self.busy_s += dt
+        return dt
+
+    def finish_step(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Settle the step with the engine's `update`; returns (sequences that got a token, finished ones)."""
+        batch = self.batch
+        if batch is None:
+            raise SimulationError("finish_step without a step in flight")
+        self.batch = None
+        # The runner's rule: a row samples when its step reaches the end of the tokens it knows.
+        tokens: list[int | None] = [self.rng.randrange(VOCAB) if s.num_computed_tokens + n == s.num_tokens else None
+                                    for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        update = self.scheduler.update(batch, SamplerOutput(tokens, [None] * len(tokens)), self.output)
+        return update.sampled, update.finished
+
+    def import_prefix(self, token_ids: tuple[int, ...], num_blocks: int) -> None:
+        """Enter a received prompt's first `num_blocks` full blocks in the prefix cache, with the same pool
+        calls as disagg/blocks.py's import_prefix (allocate, index, release as cached)."""
+        kv, pool = self.kv, self.kv.pool
+        if not kv.enable_prefix_caching:
+            return
+        bs, held, parent, parent_hash = kv.block_size, [], NO_PARENT, None
+        try:
+            for i in range(num_blocks):
+                tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+                h = kv.hash_fn(parent_hash, tokens)
+                b = pool.lookup(h, tokens, parent)
+                if b is not None:
+                    pool.incref([b])
+                else:
+                    if pool.num_free == 0:
+                        break
+                    b = pool.allocate(1)[0]
+                    if pool.cache(b, h, tokens, parent) != b:
+                        held.append(b)
+                        break
+                held.append(b)
+                parent, parent_hash = b, h
+        finally:
+            pool.free(list(reversed(held)))
+
+
+@dataclass
+class SimResult:
+    records: list[SimRecord]
+    duration: float  # simulated seconds from the first arrival to the last token
+    workers: list[SimWorker]
+    fleet: FleetConfig
+
+
+_ARRIVE, _STEP_DONE, _KV_ARRIVED = 0, 1, 2
+
+
+class Simulation:
+    def __init__(self, profile: Profile, fleet: FleetConfig, seed: int = 0,
+                 on_step: Callable[[SimWorker], None] | None = None) -> None:
+        self.profile, self.fleet = profile, fleet
+        self.rng = random.Random(seed)
+        self.decode = [SimWorker(i, "decode" if fleet.prefill_workers else "worker", profile, fleet, self.rng)
+                       for i in range(fleet.workers)]
+        self.prefill = [SimWorker(i, "prefill", profile, fleet, self.rng) for i in range(fleet.prefill_workers)]
+        router = RouterConfig(workers=tuple(w.route.url for w in self.decode), policy=fleet.policy)  # type: ignore[arg-type]
+        self.policy: Policy = make_policy(router)
+        self.prefill_policy: Policy = make_policy(router)  # the router's disagg has its own instance too
+        self.key_chunk, self.key_chunks = router.prefix_chunk_chars, router.prefix_max_chunks
+        self.on_step = on_step  # called after every settled step (tests check invariants there)
+        self._events: list[tuple[float, int, int, object]] = []
+        self._order = itertools.count()
+        self._arrivals = itertools.count()
+
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        heapq.heappush(self._events, (t, next(self._order), kind, payload))
+
+    def _key(self, req: SimRequest) -> tuple[bytes, ...]:
+        # The router hashes prompt text; 4 hex characters per token id makes its 64-character chunk one
+        # 16-token block, as on real text (about 4 characters per token).
+        if not self.policy.uses_key:
+            return ()
+        return routing_key("".join(f"{t:04x}" for t in req.prompt_token_ids), self.key_chunk, self.key_chunks)
+
+    def _sequence(self, rec: SimRecord, max_tokens: int, tag: str) -> Sequence:
+        n = next(self._arrivals)
+        req = rec.request
+        if req.input_len >= self.profile.max_model_len:
+            raise SimulationError(f"a {req.input_len}-token prompt does not fit max_model_len {self.profile.max_model_len}")
+        max_tokens = min(max_tokens, self.profile.max_model_len - req.input_len)
+        seq = Sequence(seq_id=f"{tag}{n}", request_id=f"{tag}{n}", index=0, prompt_token_ids=list(req.prompt_token_ids),
+                       params=SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_tokens=max_tokens,
+                       stop_token_ids=frozenset(), arrival_order=n)
+        return seq
+
+    def _submit(self, worker: SimWorker, seq: Sequence, now: float) -> None:
+        worker.scheduler.add(seq)
+        if worker.batch is None:
+            self._kick(worker, now)
+
+    def _kick(self, worker: SimWorker, now: float) -> None:
+        dt = worker.start_step()
+        if dt is not None:
+            self._push(now + dt, _STEP_DONE, worker)
+
+    def run(self, requests: list[SimRequest]) -> SimResult:
+        if not requests:
+            raise ConfigError("the workload has no requests")
+        records = [SimRecord(r) for r in requests]
+        for rec in records:
+            self._push(rec.request.arrival, _ARRIVE, rec)
+        owner: dict[int, tuple[SimRecord, bool]] = {}  # id(seq) -> (record, whether it is a prefill-only pass)
+        decode_of: dict[int, SimWorker] = {}  # id(record) -> its decode worker (split fleets)
+        now = 0.0
+        while self._events:
+            now, _, kind, payload = heapq.heappop(self._events)
+            if kind == _ARRIVE:
+                rec = payload  # type: ignore[assignment]
+                key = self._key(rec.request)
+                dw = self._choose(self.policy, self.decode, key)
+                dw.route.outstanding += 1
+                rec.worker = dw.index
+                if self.prefill:
+                    pw = self._choose(self.prefill_policy, self.prefill, key)
+                    pw.route.outstanding += 1
+                    rec.prefill_worker = pw.index
+                    decode_of[id(rec)] = dw
+                    seq = self._sequence(rec, 1, "p")
+                    owner[id(seq)] = (rec, True)
+                    self._submit(pw, seq, now)
+                else:
+                    seq = self._sequence(rec, rec.request.output_len, "r")
+                    owner[id(seq)] = (rec, False)
+                    self._submit(dw, seq, now)
+            elif kind == _STEP_DONE:
+                worker: SimWorker = payload  # type: ignore[assignment]
+                sampled, finished = worker.finish_step()
+                if self.on_step is not None:
+                    self.on_step(worker)
+                for seq in sampled:
+                    rec, prefill_only = owner[id(seq)]
+                    if not prefill_only:
+                        rec.token_times.append(now)
+                        if rec.first_token is None:
+                            rec.first_token = now
+                for seq in finished:
+                    rec, prefill_only = owner.pop(id(seq))
+                    worker.route.outstanding -= 1
+                    if prefill_only:
+                        self._ship(rec, seq, decode_of.pop(id(rec)), now)
+                    else:
+                        rec.end = now
+                        rec.cached_tokens = seq.num_cached_tokens or 0
+                        rec.preemptions = seq.num_preemptions
+                self._kick(worker, now)
+            else:
+                rec, dw = payload  # type: ignore[misc]
+                dw.import_prefix(rec.request.prompt_token_ids, rec.request.input_len // self.profile.block_size)
+                seq = self._sequence(rec, rec.request.output_len, "d")
+                owner[id(seq)] = (rec, False)
+                self._submit(dw, seq, now)
+        start = min(r.request.arrival for r in records)
+        return SimResult(records, max(now - start, 1e-9), self.decode + self.prefill, self.fleet)
+
+    def _ship(self, rec: SimRecord, seq: Sequence, dw: SimWorker, now: float) -> None:
+        """A prefill finished: its full blocks travel to the decode worker (whose request was counted as
+        outstanding there since it arrived, as the router does)."""
+        nbytes = (rec.request.input_len // self.profile.block_size) * self.profile.block_size * self.profile.kv_bytes_per_token
+        rec.kv_transfer_s = nbytes / self.fleet.link_bandwidth + self.fleet.link_latency_s
+        self._push(now + rec.kv_transfer_s, _KV_ARRIVED, (rec, dw))
+
+    @staticmethod
+    def _choose(policy: Policy, workers: list[SimWorker], key: tuple[bytes, ...]) -> SimWorker:
+        chosen = policy.choose([w.route for w in workers], key)
+        return workers[chosen.index]
+
+
+def simulate(profile: Profile, fleet: FleetConfig, requests: list[SimRequest], seed: int = 0,
+             on_step: Callable[[SimWorker], None] | None = None) -> SimResult:
+    return Simulation(profile, fleet, seed, on_step).run(requests)
