@@ -121,6 +121,9 @@ def test_chunked_prefill_matches_transformers(tiny_llama: Path) -> None:
         ref_ids, ref_lp = hf_greedy_ids(hf, prompt, 12)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
     for budget in (64, 512):  # 5 chunks of 64 (the last shorter), or the whole prompt at once
-        llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=budget, attention_backend="cpu")
+        llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=budget, max_num_seqs=4,
+                  attention_backend="cpu")
+        backend = llm.engine.backend
+        assert isinstance(backend, CPUBackend) and backend.paged_prefill  # the chunks ran through the kernel
         outs = llm.generate([prompt], params)
         assert_matches_reference(outs, [ref_ids], [ref_lp], atol=1e-3)

@@ -1,0 +1,59 @@
+"""TTFT of long prompts: chunked prefill attention through the paged prefill kernel against the old SDPA
+path (each chunk gathers its whole prefix from the cache), in one run on the same engine.
+
+Loads the embedded default model once, then for each prompt length times one request generating one
+token (prefix cache reset before each run, so every run computes its whole prompt), --repeats times per
+path, and prints the median TTFT and prefill tok/s of each path and their ratio.
+
+    python benchmarks/long_prompt.py [--lengths 1000 4000] [--repeats 3] [--max-num-batched-tokens 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.attention.cpu import CPUBackend
+from tokenloom.bench.offline import exact_prompts
+from tokenloom.errors import ConfigError
+
+
+def ttft_s(llm: LLM, prompt: list[int]) -> float:
+    llm.reset_prefix_cache()  # every run computes its whole prompt
+    t = time.perf_counter()
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+    return time.perf_counter() - t
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[1000, 4000])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="the prefill chunk size")
+    p.add_argument("--dtype", default="auto")
+    a = p.parse_args()
+    llm = LLM(max_model_len=max(a.lengths) + 16, max_num_batched_tokens=a.max_num_batched_tokens, dtype=a.dtype)
+    backend = llm.engine.backend
+    if not isinstance(backend, CPUBackend):
+        raise ConfigError(f"the paged prefill kernel is the CPU backend's; this engine runs {backend.name!r}")
+    vocab = llm.engine.model_config.vocab_size
+    ttft_s(llm, exact_prompts(llm.tokenizer, 1, 64, vocab)[0])  # warm-up
+    print(f"chunk size {a.max_num_batched_tokens}, median of {a.repeats} runs per point")
+    print(f"{'prompt':>7} {'SDPA gather TTFT':>17} {'paged kernel TTFT':>18} {'SDPA tok/s':>11} {'kernel tok/s':>13} {'speed-up':>9}")
+    for n in a.lengths:
+        prompt = exact_prompts(llm.tokenizer, 1, n, vocab)[0]
+        med = {}
+        for paged in (False, True):
+            backend.paged_prefill = paged
+            ttft_s(llm, prompt)  # warm this path and shape
+            med[paged] = statistics.median(ttft_s(llm, prompt) for _ in range(a.repeats))
+        print(f"{n:>7} {med[False]:>16.2f}s {med[True]:>17.2f}s {n / med[False]:>11.0f} {n / med[True]:>13.0f} "
+              f"{med[False] / med[True]:>8.2f}x")
+    backend.paged_prefill = True
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
