@@ -3,7 +3,7 @@ path (each chunk gathers its whole prefix from the cache), in one run on the sam
 
 Loads the embedded default model once, then for each prompt length times one request generating one
 token (prefix cache reset before each run, so every run computes its whole prompt), --repeats times per
-path, and prints the median TTFT and prefill tok/s of each path and their ratio.
+path, alternating, and prints the median TTFT and prefill tok/s of each path and their ratio.
 
     python benchmarks/long_prompt.py [--lengths 1000 4000] [--repeats 3] [--max-num-batched-tokens 512]
 """
@@ -44,11 +44,15 @@ def main() -> int:
     print(f"{'prompt':>7} {'SDPA gather TTFT':>17} {'paged kernel TTFT':>18} {'SDPA tok/s':>11} {'kernel tok/s':>13} {'speed-up':>9}")
     for n in a.lengths:
         prompt = exact_prompts(llm.tokenizer, 1, n, vocab)[0]
-        med = {}
-        for paged in (False, True):
-            backend.paged_prefill = paged
-            ttft_s(llm, prompt)  # warm this path and shape
-            med[paged] = statistics.median(ttft_s(llm, prompt) for _ in range(a.repeats))
+        runs: dict[bool, list[float]] = {False: [], True: []}
+        # The two paths alternate run by run, so a shared machine's load drifts over both alike.
+        for i in range(a.repeats + 1):
+            for paged in (False, True):
+                backend.paged_prefill = paged
+                t = ttft_s(llm, prompt)
+                if i:  # the first round warms both paths at this length
+                    runs[paged].append(t)
+        med = {paged: statistics.median(ts) for paged, ts in runs.items()}
         print(f"{n:>7} {med[False]:>16.2f}s {med[True]:>17.2f}s {n / med[False]:>11.0f} {n / med[True]:>13.0f} "
               f"{med[False] / med[True]:>8.2f}x")
     backend.paged_prefill = True
