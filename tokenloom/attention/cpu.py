@@ -1,9 +1,11 @@
-"""The fast CPU backend: prefill chunks through torch SDPA, decode tokens through a C++ paged kernel,
-K/V written (and INT8-quantized) into the cache by one C++ call per layer.
+"""The fast CPU backend: decode tokens through a C++ paged decode kernel, prefill chunks that continue a
+sequence through a C++ paged prefill kernel, K/V written (and INT8-quantized) into the cache by one C++
+call per layer.
 
-The kernel (csrc/paged_decode.cpp) reads each sequence's K/V in place through its block table, so
-decode attention needs neither the gather copy nor the padding mask of the SDPA path; an INT8 cache is
-dequantized row by row inside the kernel.
+The kernels (csrc/paged_decode.cpp, csrc/paged_prefill.cpp) read each sequence's K/V in place through its
+block table, so attention needs neither the gather copy nor the padding mask of the SDPA path; an INT8
+cache is dequantized row by row inside them. The SDPA path gathered a chunk's whole prefix, every layer,
+once per chunk: a 4,000-token prompt in 512-token chunks copied (and masked) its prefix 8 times per layer.
 """
 
 from __future__ import annotations
@@ -13,14 +15,50 @@ from types import ModuleType
 import torch
 
 from tokenloom.attention.paged_kv import LayerKVCache
-from tokenloom.attention.sdpa import DecodePlan, SDPABackend
+from tokenloom.attention.base import AttentionMetadata
+from tokenloom.attention.sdpa import DecodePlan, SDPABackend, _Prefill
 
 
 class CPUBackend(SDPABackend):
     name = "cpu"
 
-    def __init__(self, kernels: ModuleType) -> None:
+    def __init__(self, kernels: ModuleType, paged_prefill: bool = True) -> None:
         self.kernels = kernels
+        # False: every prefill chunk through SDPA (the old path; benchmarks/long_prompt.py compares both).
+        self.paged_prefill = paged_prefill
+
+    def uses_kernel(self, p: _Prefill) -> bool:
+        """The routing rule, measured (docs/benchmarks.md, "Long prompts: paged prefill attention"):
+        - a chunk over a cached prefix, or under a sliding window, reads the cache in place through the
+          kernel: SDPA had to gather (copy) the prefix and apply an explicit (q_len, ctx) mask, every
+          layer, once per chunk (benchmarks/long_prompt.py: 1,000 and 4,000-token prompts in 512-token
+          chunks);
+        - a chunk that is its sequence's whole context with no window (a fresh prompt, or the first
+          chunk of one) stays on SDPA's causal flash kernel over the fresh K/V: there is nothing to
+          gather, and on 512 fresh tokens (9 query / 3 KV heads of 64, bf16) the two measured within
+          the shared machine's noise of each other (29.7 / 34.4, 84 / 45, 52 / 67 ms kernel / SDPA)."""
+        return self.paged_prefill and (p.blocks is not None or p.mask is not None)
+
+    def prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKVCache, meta: AttentionMetadata,
+        plan: DecodePlan, scale: float, sliding_window: int | None, out: torch.Tensor,
+    ) -> None:
+        if q.device.type != "cpu":
+            return super().prefill(q, k, v, kv, meta, plan, scale, sliding_window, out)
+        chunks = [p for p in plan.prefills if self.uses_kernel(p)]
+        for p in plan.prefills:
+            if not self.uses_kernel(p):
+                self.prefill_chunk(q, k, v, kv, p, scale, out)
+        if not chunks:
+            return None
+        # One call for every routed chunk (varlen): each chunk's rows of q and its sequence's block table.
+        rows = torch.tensor([p.seq for p in chunks])
+        self.kernels.paged_prefill(
+            q.contiguous(), kv.k, kv.v, kv.k_scale, kv.v_scale, meta.block_tables[rows],
+            torch.tensor([p.start for p in chunks]), torch.tensor([p.end - p.start for p in chunks]),
+            torch.tensor([p.ctx for p in chunks]), scale, sliding_window or 0, out,
+        )
+        return None
 
     def write_kv(self, kv: LayerKVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:

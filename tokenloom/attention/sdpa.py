@@ -30,6 +30,7 @@ class _Prefill:
     blocks: torch.Tensor | None  # None when the chunk is the whole context (read fresh K/V)
     mask: torch.Tensor | None  # (q_len, ctx - first) bool, True = attend; None = plain causal
     first: int = 0  # position of the first gathered key (a block boundary; > 0 only under a window)
+    seq: int = 0  # the chunk's sequence in the step (its row of the block tables)
 
 
 @dataclass
@@ -64,7 +65,7 @@ class SDPABackend(AttentionBackend):
                     lens.append(ctx - q_len + j + 1)
                 continue
             if ctx == q_len and sliding_window is None:
-                prefills.append(_Prefill(start, end, ctx, None, None))
+                prefills.append(_Prefill(start, end, ctx, None, None, seq=i))
                 continue
             # Keys from the first block the chunk's first query reaches (position 0 without a window).
             first_block = 0 if sliding_window is None or ctx == q_len else max(0, ctx - q_len - sliding_window + 1) // bs
@@ -75,7 +76,7 @@ class SDPABackend(AttentionBackend):
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
             blocks = meta.block_tables[i, first_block : (ctx + bs - 1) // bs]
-            prefills.append(_Prefill(start, end, ctx, blocks if ctx > q_len else None, mask, first))
+            prefills.append(_Prefill(start, end, ctx, blocks if ctx > q_len else None, mask, first, seq=i))
         if not dec_tokens:
             return DecodePlan(None, None, None, None, False, prefills)
         rows = torch.tensor(dec_seqs, device=device)
@@ -103,7 +104,6 @@ class SDPABackend(AttentionBackend):
         meta = meta.for_group(kv.group)  # the layer's KV group: its block tables and slots
         k, v = self.write_kv(kv, k, v, meta.slot_mapping)  # as the cache holds them (INT8 round trip)
         plan: DecodePlan = meta.plan_for(self, q.device, sliding_window)
-        group = q.shape[1] // kv.num_kv_heads
         out = q.new_empty(q.shape)
         if plan.decode_tokens is not None:
             qd = q if plan.all_decode else q[plan.decode_tokens]  # (B, Hq, D)
@@ -111,19 +111,34 @@ class SDPABackend(AttentionBackend):
             if plan.all_decode:
                 return od
             out[plan.decode_tokens] = od
-        for p in plan.prefills:  # each prompt chunk on its own
-            qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # (1, Hq, q_len, D)
-            if p.blocks is None:
-                kp, vp = k[p.start : p.end], v[p.start : p.end]  # (q_len, Hkv, D) fresh
-            else:
-                kp, vp = kv.gather(p.blocks, p.ctx - p.first, q.dtype)
-            kp = kp.transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
-            vp = vp.transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=group > 1
-            )
-            out[p.start : p.end] = op.squeeze(0).transpose(0, 1)
+        if plan.prefills:
+            self.prefill(q, k, v, kv, meta, plan, scale, sliding_window, out)
         return out
+
+    def prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKVCache, meta: AttentionMetadata,
+        plan: DecodePlan, scale: float, sliding_window: int | None, out: torch.Tensor,
+    ) -> None:
+        """Attention of the plan's prefill chunks: q (T, Hq, D) -> their rows of out (T, Hq, D)."""
+        for p in plan.prefills:  # each prompt chunk on its own
+            self.prefill_chunk(q, k, v, kv, p, scale, out)
+
+    def prefill_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKVCache, p: _Prefill,
+                      scale: float, out: torch.Tensor) -> None:
+        """One chunk through SDPA: fresh K/V when the chunk is the whole context, else the context gathered
+        (copied) from the cache with an explicit mask."""
+        group = q.shape[1] // kv.num_kv_heads
+        qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # (1, Hq, q_len, D)
+        if p.blocks is None:
+            kp, vp = k[p.start : p.end], v[p.start : p.end]  # (q_len, Hkv, D) fresh
+        else:
+            kp, vp = kv.gather(p.blocks, p.ctx - p.first, q.dtype)
+        kp = kp.transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
+        vp = vp.transpose(0, 1).unsqueeze(0)
+        op = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=group > 1
+        )
+        out[p.start : p.end] = op.squeeze(0).transpose(0, 1)
 
     def write_kv(self, kv: LayerKVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:

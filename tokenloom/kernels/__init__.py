@@ -1,6 +1,6 @@
 """Builds and loads the C++ CPU kernels (csrc/) with torch's JIT extension loader, once per machine.
 
-Kernels: paged decode attention, KV cache writes (INT8: quantized on the way), residual add + RMSNorm,
+Kernels: paged decode and prefill attention, KV cache writes (INT8: quantized on the way), residual add + RMSNorm,
 SiLU-and-mul, rotary embedding, few-row bf16 matmul (decode and speculative verification steps), the
 weight-only int8 / int4 matmuls and the GGUF K-quant / Q5_0 ones (csrc/kquant.cpp) of tokenloom/quant, and
 the decode stack that calls them all for a whole decode step (csrc/decode_stack.cpp, engine/fused_decode.py).
@@ -44,7 +44,7 @@ log = logging.getLogger("tokenloom.kernels")
 _CSRC = Path(__file__).parent / "csrc"
 
 
-_SOURCES = ("bindings.cpp", "paged_decode.cpp", "kv_write.cpp", "elementwise.cpp", "skinny_gemm.cpp",
+_SOURCES = ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "kv_write.cpp", "elementwise.cpp", "skinny_gemm.cpp",
             "quant_gemm.cpp", "kquant.cpp", "decode_stack.cpp")
 
 

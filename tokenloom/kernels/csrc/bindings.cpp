@@ -3,6 +3,8 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention, one query per sequence; int8 caches with float16 scales");
+  m.def("paged_prefill", &paged_prefill, "paged causal prefill attention for chunks of several sequences over their "
+        "cached K/V, read in place; writes the chunks' rows of out; int8 caches with float16 scales");
   m.def("write_kv", &write_kv, "new K and V (T, Hkv, D) into their cache slots");
   m.def("write_kv_int8", &write_kv_int8, "new K and V quantized into an int8 cache with per-(token, head) float16 "
         "scales; returns the dequantized K and V");
