@@ -16,7 +16,7 @@ import torch
 
 from tokenloom.attention.paged_kv import LayerKVCache
 from tokenloom.attention.base import AttentionMetadata
-from tokenloom.attention.sdpa import DecodePlan, SDPABackend, _Prefill
+from tokenloom.attention.sdpa import DecodePlan, PrefillChunk, SDPABackend
 
 
 class CPUBackend(SDPABackend):
@@ -27,7 +27,7 @@ class CPUBackend(SDPABackend):
         # False: every prefill chunk through SDPA (the old path; benchmarks/long_prompt.py compares both).
         self.paged_prefill = paged_prefill
 
-    def uses_kernel(self, p: _Prefill) -> bool:
+    def uses_kernel(self, p: PrefillChunk) -> bool:
         """The routing rule, measured (docs/benchmarks.md, "Long prompts: paged prefill attention"):
         - a chunk over a cached prefix, or under a sliding window, reads the cache in place through the
           kernel: SDPA had to gather (copy) the prefix and apply an explicit (q_len, ctx) mask, every

@@ -23,7 +23,7 @@ DECODE_STYLE_MAX_QUERY = 8  # chunks this short attend as decode rows (see the m
 
 
 @dataclass
-class _Prefill:
+class PrefillChunk:
     start: int
     end: int
     ctx: int
@@ -43,7 +43,7 @@ class DecodePlan:
     decode_mask: torch.Tensor | None  # (B, 1, 1, max_blocks * block_size) bool; built on first use
     decode_lens: torch.Tensor | None  # (B,) int64 context length of each decode row (its position + 1)
     all_decode: bool  # every token of the batch is a decode, in order: skip the index ops
-    prefills: list[_Prefill]
+    prefills: list[PrefillChunk]
 
 
 class SDPABackend(AttentionBackend):
@@ -54,7 +54,7 @@ class SDPABackend(AttentionBackend):
         dec_tokens: list[int] = []
         dec_seqs: list[int] = []
         lens: list[int] = []
-        prefills: list[_Prefill] = []
+        prefills: list[PrefillChunk] = []
         for i in range(meta.num_seqs):
             start, end, ctx = meta.query_start_loc[i], meta.query_start_loc[i + 1], meta.seq_lens[i]
             q_len = end - start
@@ -65,7 +65,7 @@ class SDPABackend(AttentionBackend):
                     lens.append(ctx - q_len + j + 1)
                 continue
             if ctx == q_len and sliding_window is None:
-                prefills.append(_Prefill(start, end, ctx, None, None, seq=i))
+                prefills.append(PrefillChunk(start, end, ctx, None, None, seq=i))
                 continue
             # Keys from the first block the chunk's first query reaches (position 0 without a window).
             first_block = 0 if sliding_window is None or ctx == q_len else max(0, ctx - q_len - sliding_window + 1) // bs
@@ -76,7 +76,7 @@ class SDPABackend(AttentionBackend):
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
             blocks = meta.block_tables[i, first_block : (ctx + bs - 1) // bs]
-            prefills.append(_Prefill(start, end, ctx, blocks if ctx > q_len else None, mask, first, seq=i))
+            prefills.append(PrefillChunk(start, end, ctx, blocks if ctx > q_len else None, mask, first, seq=i))
         if not dec_tokens:
             return DecodePlan(None, None, None, None, False, prefills)
         rows = torch.tensor(dec_seqs, device=device)
@@ -123,7 +123,7 @@ class SDPABackend(AttentionBackend):
         for p in plan.prefills:  # each prompt chunk on its own
             self.prefill_chunk(q, k, v, kv, p, scale, out)
 
-    def prefill_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKVCache, p: _Prefill,
+    def prefill_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKVCache, p: PrefillChunk,
                       scale: float, out: torch.Tensor) -> None:
         """One chunk through SDPA: fresh K/V when the chunk is the whole context, else the context gathered
         (copied) from the cache with an explicit mask."""

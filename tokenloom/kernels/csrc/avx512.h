@@ -11,3 +11,14 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
+
+// 16 floats -> bf16, rounded to nearest even (vcvtneps2bf16 where the CPU has AVX512-BF16).
+inline __m256i ps_to_bf16(__m512 v) {
+#ifdef __AVX512BF16__
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16));
+#endif
+}

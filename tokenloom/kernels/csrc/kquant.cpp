@@ -244,17 +244,6 @@ inline __m256i codes_q50_block(const uint8_t* qs_p, const uint8_t* qh_p) {
   return _mm256_mask_add_epi8(nib, static_cast<__mmask32>(qh), nib, _mm256_set1_epi8(16));
 }
 
-// 16 floats -> bf16, rounded to nearest even (vcvtneps2bf16 where the CPU has AVX512-BF16).
-inline __m256i ps_to_bf16(__m512 v) {
-#ifdef __AVX512BF16__
-  return (__m256i)_mm512_cvtneps_pbh(v);
-#else
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16));
-#endif
-}
-
 // Two consecutive Q5_0 blocks of a planar row (their 32 bytes of qs, 8 of qh) -> their 64 codes: both
 // blocks' nibbles split at once, their two qh one 64-bit mask of the codes that get 16.
 inline __m512i codes_q50_pair(const uint8_t* qs, const uint8_t* qh) {

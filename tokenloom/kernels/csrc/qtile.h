@@ -87,16 +87,6 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// 16 floats -> bf16, rounded to nearest even (vcvtneps2bf16 where the CPU has AVX512-BF16).
-inline __m256i to_bf16(__m512 v) {
-#ifdef __AVX512BF16__
-  return (__m256i)_mm512_cvtneps_pbh(v);
-#else
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16));
-#endif
-}
 
 inline __m512 bf16x16(const c10::BFloat16* p, __mmask16 k) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
@@ -214,7 +204,7 @@ inline void rows_out(const Tile* t, const Out* o, const Shape& s, const X& x, in
   for (int c = 0; c < CB; ++c)
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
-      _mm256_mask_storeu_epi16(y + (m0 + r) * s.N + o[c].n0, o[c].k, to_bf16(_mm512_add_ps(acc[c][r], o[c].bias)));
+      _mm256_mask_storeu_epi16(y + (m0 + r) * s.N + o[c].n0, o[c].k, ps_to_bf16(_mm512_add_ps(acc[c][r], o[c].bias)));
 }
 
 template <int CB, int SPAN, bool LONG>
