@@ -143,8 +143,10 @@ def test_calibration_times_both_routes_and_sets_the_kernel() -> None:
 def test_engine_start_up_sets_and_logs_the_routing(smollm2_gguf: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The default model (Q4_1 kept quantized) logs the choice; --quant-tile-max-rows sets it instead."""
     with caplog.at_level(logging.INFO, logger="tokenloom.quant"):
-        LLM(model=str(smollm2_gguf), max_model_len=128, kv_cache_memory="16MiB", quant_tile_max_rows=32)
+        llm = LLM(model=str(smollm2_gguf), max_model_len=128, kv_cache_memory="16MiB", quant_tile_max_rows=32)
     assert KERNELS.quant_tile_max_rows() == 32
+    routing = llm.engine.quant_routing  # what `tokenloom serve` prints beside the KV capacity line
+    assert routing is not None and (routing.tile_max_rows, routing.source) == (32, "set")
     assert any("VNNI kernels up to 32 rows" in r.getMessage() and "(set;" in r.getMessage() for r in caplog.records)
     with pytest.raises(ConfigError, match="quant-tile-max-rows"):
         LLM(model=str(smollm2_gguf), quant_tile_max_rows=4)

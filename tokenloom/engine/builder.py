@@ -29,6 +29,7 @@ from tokenloom.models.layers import PACKED_MAX_ROWS, prepack_available, prepacka
 from tokenloom.models.llama import LlamaForCausalLM
 from tokenloom.models.loader import LoadedModel, load_model
 from tokenloom.quant.kquant import KQuantLinear
+from tokenloom.quant.routing import QuantRouting
 from tokenloom.quant.routing import choose as choose_quant_routing
 from tokenloom.quant.weight_only import QuantLinear, quantize_model
 from tokenloom.spec.draft import DraftModelProposer
@@ -52,6 +53,7 @@ class EngineParts:
     runner: ModelRunner
     sampler: Sampler
     proposer: Proposer | None
+    quant_routing: QuantRouting | None = None  # the quantized matmuls' start-up crossover (quantized models on CPU)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -72,7 +74,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if config.quantization is not None:
         n = quantize_model(loaded.model, config.quantization, config.quant_group_size)
         log.info("quantized %d linear layers to %s", n, config.quantization)
-    _attach_cpu_kernels(config, loaded, backend, device)  # after quantizing: the quantized layers get them too
+    routing = _attach_cpu_kernels(config, loaded, backend, device)  # after quantizing: quantized layers too
     mcfg = loaded.config
     max_model_len = config.max_model_len or mcfg.max_position_embeddings
     if max_model_len > mcfg.max_position_embeddings and mcfg.rope_scaling.kind in ("default", "dynamic"):
@@ -119,18 +121,21 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         loaded.name, mcfg.architecture, str(loaded.dtype).removeprefix("torch."),
         loaded.load_seconds, device, capacity.describe(),
     )
-    return EngineParts(device, backend, loaded, max_model_len, capacity, kv, runner, sampler, proposer)
+    return EngineParts(device, backend, loaded, max_model_len, capacity, kv, runner, sampler, proposer, routing)
 
 
 def _attach_cpu_kernels(config: EngineConfig, loaded: LoadedModel, backend: AttentionBackend,
-                        device: torch.device) -> None:
-    """On the CPU backend: the C++ kernels into every layer, then the prepacked weights."""
-    if isinstance(backend, CPUBackend):
-        loaded.model.set_kernels(backend.kernels)
-        _prepack(config, loaded, device)
-        if hasattr(backend.kernels, "set_quant_tile_max_rows") and any(
-                isinstance(m, (QuantLinear, KQuantLinear)) for m in loaded.model.modules()):
-            choose_quant_routing(backend.kernels, config.quant_tile_max_rows)
+                        device: torch.device) -> QuantRouting | None:
+    """On the CPU backend: the C++ kernels into every layer, then the prepacked weights; for quantized
+    layers, the routing of their matmuls (returned)."""
+    if not isinstance(backend, CPUBackend):
+        return None
+    loaded.model.set_kernels(backend.kernels)
+    _prepack(config, loaded, device)
+    if hasattr(backend.kernels, "set_quant_tile_max_rows") and any(
+            isinstance(m, (QuantLinear, KQuantLinear)) for m in loaded.model.modules()):
+        return choose_quant_routing(backend.kernels, config.quant_tile_max_rows)
+    return None
 
 
 def _prepack(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
