@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_quant import _few_rows_int4_oracle, _few_rows_int8_oracle
 
 from tokenloom import LLM
 from tokenloom.errors import ConfigError
 from tokenloom.kernels import load_quant_kernels
 from tokenloom.kernels.limits import SKINNY_MAX_ROWS
 from tokenloom.quant import routing
-from tokenloom.quant.layout import padded
 from tokenloom.quant.linear import Int4Linear, Int8Linear, QuantLinear
 from tokenloom.quant.quantizers import quantize_int4, quantize_int8
 
@@ -48,26 +48,6 @@ def _layers() -> dict[str, QuantLinear]:
     }
 
 
-def _int8_x_model(lin: QuantLinear, x: torch.Tensor, rows_apart: bool) -> torch.Tensor:
-    """float64 model of the VNNI kernels' arithmetic: x quantized to round(x / dx), dx = max |x| / 127 in
-    float32, per 32 inputs in natural order (the tiles, int4's few-row kernel) or, for int8's few-row
-    kernel (`rows_apart`), per 64-input chunk in the codes' order; times the dequantized weight."""
-    from tokenloom.quant.layout import CHUNK, CHUNK_ORDERS, LAYOUT_VERSION
-
-    m, k = x.shape
-    kp = padded(k)
-    xp = torch.cat([x.float(), x.new_zeros(m, kp - k).float()], dim=1)
-    order = CHUNK_ORDERS[LAYOUT_VERSION] if rows_apart else torch.arange(CHUNK)
-    per = CHUNK if rows_apart else 32
-    xc = xp.reshape(m, kp // CHUNK, CHUNK)[..., order].reshape(m, kp // per, per)
-    dx = xc.abs().amax(-1) / 127
-    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
-    xq = (torch.round(xc * inv[..., None]) * dx[..., None]).reshape(m, kp // CHUNK, CHUNK)
-    xhat = xq[..., torch.argsort(order)].reshape(m, kp)[:, :k]
-    bias = 0 if lin.bias is None else lin.bias.double()
-    return xhat.double() @ lin.dequantize().double().T + bias
-
-
 @pytest.fixture
 def restore_tile_max_rows() -> Iterator[None]:
     before = KERNELS.quant_tile_max_rows()
@@ -90,7 +70,10 @@ def test_every_route_at_every_row_count(name: str) -> None:
         torch.testing.assert_close(lin(x).float(), want, rtol=8e-3, atol=8e-3 * scale, msg=f"expand, {rows} rows")
         lin.route = "vnni"
         got = lin(x).double()
-        model = _int8_x_model(lin, x, rows_apart=lin.bits == 8 and rows <= SKINNY_MAX_ROWS)
+        # int8's few-row kernel quantizes x per 64-input chunk in the codes' order; the tiles and int4's
+        # few-row kernel per 32 inputs in natural order (test_quant.py's models of each)
+        rows_apart = lin.bits == 8 and rows <= SKINNY_MAX_ROWS
+        model = _few_rows_int8_oracle(lin, x) if rows_apart else _few_rows_int4_oracle(lin, x)
         torch.testing.assert_close(got, model, rtol=2**-8, atol=1e-4 * scale, msg=f"vnni, {rows} rows")
         assert (got - want.double()).norm() <= 8e-3 * want.double().norm(), f"vnni, {rows} rows"
 
@@ -102,7 +85,7 @@ def test_tiles_are_their_int8_arithmetic_not_float_x() -> None:
         lin.route = "vnni"
         x = torch.randn(24, K, generator=torch.Generator().manual_seed(2)).bfloat16()
         x[:, 5] = 40.0
-        got, model = lin(x).double(), _int8_x_model(lin, x, rows_apart=False)
+        got, model = lin(x).double(), _few_rows_int4_oracle(lin, x)
         tol = dict(rtol=2**-8, atol=1e-4 * model.abs().max().item())
         torch.testing.assert_close(got, model, **tol, msg=name)
         assert not torch.allclose(got, lin.reference(x).double(), **tol), name
