@@ -32,6 +32,11 @@ PROMPTS = [
 ]
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--device-under-test", default="cuda",
+                     help="device of tests/test_cuda.py (default cuda, skipped without one; cpu dry-runs them here)")
+
+
 def build_tokenizer(folder: Path) -> int:
     """A small byte-level BPE tokenizer trained on CORPUS; returns its vocab size."""
     tok = Tokenizer(models.BPE())

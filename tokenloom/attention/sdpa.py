@@ -15,11 +15,25 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tokenloom.attention.base import AttentionBackend, AttentionMetadata
 from tokenloom.attention.paged_kv import LayerKVCache
 
 DECODE_STYLE_MAX_QUERY = 8  # chunks this short attend as decode rows (see the module docstring)
+
+# On CUDA, torch may pick cuDNN's SDPA, which builds an execution graph per new shape: about 0.5 ms of host
+# time per call on an H200 (benchmarks/gpu_profile.py), and decode shapes change every step. The flash and
+# memory-efficient kernels have no such set-up; math stays as the fallback for what neither takes.
+_CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> torch.Tensor:
+    """F.scaled_dot_product_attention, steered away from cuDNN on CUDA (see _CUDA_SDPA)."""
+    if q.is_cuda:
+        with sdpa_kernel(_CUDA_SDPA):
+            return F.scaled_dot_product_attention(q, k, v, **kw)  # type: ignore[arg-type]
+    return F.scaled_dot_product_attention(q, k, v, **kw)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -135,7 +149,7 @@ class SDPABackend(AttentionBackend):
             kp, vp = kv.gather(p.blocks, p.ctx - p.first, q.dtype)
         kp = kp.transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
         vp = vp.transpose(0, 1).unsqueeze(0)
-        op = F.scaled_dot_product_attention(
+        op = sdpa(
             qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=group > 1
         )
         out[p.start : p.end] = op.squeeze(0).transpose(0, 1)
@@ -163,5 +177,5 @@ class SDPABackend(AttentionBackend):
         keys, vals = kv.gather_blocks(plan.decode_blocks, q.dtype)  # (B, max_blocks, block_size, Hkv, D)
         keys = keys.flatten(1, 2).transpose(1, 2)  # (B, Hkv, L, D)
         vals = vals.flatten(1, 2).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=plan.decode_mask, scale=scale)
+        od = sdpa(qd, keys, vals, attn_mask=plan.decode_mask, scale=scale)
         return od.reshape(batch, num_heads, head_dim)

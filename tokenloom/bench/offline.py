@@ -46,15 +46,23 @@ def median_of(repeats: int, fn: Callable[[], float]) -> float:
     return statistics.median(fn() for _ in range(repeats))
 
 
-def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
-    """Read+write bytes per second of a large tensor copy (the achievable memory bandwidth)."""
-    a = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously; the CPU needs nothing)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Read+write bytes per second of a large tensor copy on `device` (the achievable memory bandwidth)."""
+    a = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     b = torch.empty_like(a)
     b.copy_(a)
     times = []
     for _ in range(5):
+        sync(device)
         t = time.perf_counter()
         b.copy_(a)
+        sync(device)
         times.append(time.perf_counter() - t)
     return 2 * nbytes / min(times) / 1e9
 
@@ -124,37 +132,43 @@ class TokenloomRunner:
 
 
 class HFRunner:
-    def __init__(self, path: Path, dtype: torch.dtype) -> None:
+    def __init__(self, path: Path, dtype: torch.dtype, device: torch.device) -> None:
         import transformers
 
         if path.is_file():
             self.model = _hf_from_gguf(path, dtype)
         else:
             self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        self.model.eval()
+        self.device = device
+        self.model.to(device).eval()
 
     @torch.inference_mode()
     def _gen(self, ids: torch.Tensor, n: int, mask: torch.Tensor | None = None) -> float:
+        sync(self.device)
         t = time.perf_counter()
         self.model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                             pad_token_id=0)
+        sync(self.device)
         return time.perf_counter() - t
 
     def decode(self, prompt: list[int], n: int) -> float:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=self.device)
         return (n - 1) / (self._gen(ids, n) - self._gen(ids, 1))
 
     def throughput(self, prompts: list[list[int]], n: int, batch: int) -> float:
         total = 0.0
         for i in range(0, len(prompts), batch):
-            chunk = torch.tensor(prompts[i : i + batch])  # equal lengths: the static batch has no padding
+            chunk = torch.tensor(prompts[i : i + batch], device=self.device)  # equal lengths: no padding
             total += self._gen(chunk, n, torch.ones_like(chunk))
         return len(prompts) * n / total
 
     @torch.inference_mode()
     def prefill(self, prompt: list[int]) -> float:
+        ids = torch.tensor([prompt], device=self.device)
+        sync(self.device)
         t = time.perf_counter()
-        self.model(torch.tensor([prompt]))
+        self.model(ids)
+        sync(self.device)
         return len(prompt) / (time.perf_counter() - t)
 
 
@@ -188,22 +202,27 @@ def _hf_from_gguf(path: Path, dtype: torch.dtype) -> Any:
 
 
 def run_offline_bench(args: argparse.Namespace) -> int:
-    bw = copy_bandwidth_gbs()
+    from tokenloom.engine.builder import resolve_device
+
+    device = resolve_device(args.device)
+    bw = copy_bandwidth_gbs(device)
     res: dict[str, dict[str, float]] = {"tokenloom": {}, "transformers": {}}
     # One system at a time: the engine (and its KV cache) is freed before transformers loads.
-    path, dtype, prompts = _measure_tokenloom(args, bw, res["tokenloom"])
+    path, dtype, prompts = _measure_tokenloom(args, device, bw, res["tokenloom"])
     if not args.skip_hf:
-        _measure_transformers(args, path, dtype, prompts, res["transformers"])
+        _measure_transformers(args, device, path, dtype, prompts, res["transformers"])
     _print_table(res, args)
     if args.out:
-        meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
+                   else platform.processor() or platform.machine())
+        meta = {"machine": machine, "device": str(device), "threads": torch.get_num_threads(),
                 "copy_bandwidth_gbs": bw, "date": time.strftime("%Y-%m-%d"), "repeats": args.repeats}
         args.out.write_text(json.dumps({"meta": meta, "results": res}, indent=2))
     return 0
 
 
 def _measure_tokenloom(
-    args: argparse.Namespace, bw: float, t: dict[str, float]
+    args: argparse.Namespace, device: torch.device, bw: float, t: dict[str, float]
 ) -> tuple[Path, torch.dtype, tuple[list[int], list[list[int]], list[int]]]:
     r = args.repeats
     tl = TokenloomRunner(args)
@@ -220,16 +239,17 @@ def _measure_tokenloom(
     t["batch_out_tok_s"] = median_of(r, lambda: tl.throughput(batch, args.batch_output_len))
     t["prefill_tok_s"] = median_of(r, lambda: tl.prefill(long_prompt))
     t["decode_bandwidth_fraction"] = tl.weight_bytes * t["decode_tok_s"] / (bw * 1e9)
-    _print_roofline(args, t, tl, bw, len(short))
+    _print_roofline(args, t, tl, device, bw, len(short))
     return eng.loaded.path, eng.loaded.dtype, (short, batch, long_prompt)
 
 
-def _print_roofline(args: argparse.Namespace, t: dict[str, float], tl: TokenloomRunner, bw: float, short_len: int) -> None:
+def _print_roofline(args: argparse.Namespace, t: dict[str, float], tl: TokenloomRunner, device: torch.device,
+                    bw: float, short_len: int) -> None:
     """A roofline line per phase (bench/roofline.py): the measured rates against this machine's ceilings."""
     from tokenloom.bench.roofline import ModelCosts, Phase, measure_peaks
 
     eng = tl.llm.engine
-    peaks = measure_peaks(bw)
+    peaks = measure_peaks(bw, device)
     kv_token = sum(2 * c.k[0, 0].numel() * c.k.element_size() for c in eng.runner.kv_caches)
     costs = ModelCosts.of(eng.loaded.model, tl.weight_bytes, kv_token)
     quantized = any(hasattr(m, "codes") for m in eng.loaded.model.modules())
@@ -246,12 +266,12 @@ def _print_roofline(args: argparse.Namespace, t: dict[str, float], tl: Tokenloom
 
 
 def _measure_transformers(
-    args: argparse.Namespace, path: Path, dtype: torch.dtype,
+    args: argparse.Namespace, device: torch.device, path: Path, dtype: torch.dtype,
     prompts: tuple[list[int], list[list[int]], list[int]], h: dict[str, float],
 ) -> None:
     r = args.repeats
     short, batch, long_prompt = prompts
-    hf = HFRunner(path, dtype)
+    hf = HFRunner(path, dtype, device)
     hf.decode(short, 8)  # warm-up
     h["decode_tok_s"] = median_of(r, lambda: hf.decode(short, args.decode_tokens))
     h["batch_out_tok_s"] = median_of(r, lambda: hf.throughput(batch, args.batch_output_len, args.hf_batch_size))

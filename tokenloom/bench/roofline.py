@@ -15,6 +15,7 @@ limit; both far below 1 says time goes elsewhere (Python, attention's own arithm
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,27 +34,37 @@ class MachinePeaks:
                 f"{self.copy_gbs:.1f} GB/s copy bandwidth")
 
 
-def _best_rate(fn: "callable[[], object]", ops: float, repeats: int = 5) -> float:
+def _best_rate(fn: Callable[[], object], ops: float, device: torch.device, repeats: int = 5) -> float:
     fn()  # the first call builds the kernel
     best = float("inf")
     for _ in range(repeats):
+        _sync(device)
         t = time.perf_counter()
         fn()
+        _sync(device)
         best = min(best, time.perf_counter() - t)
     return ops / best / 1e9
 
 
-def measure_peaks(copy_gbs: float, size: int = 1024) -> MachinePeaks:
-    """GEMM peaks from (size x size) @ (size x size) products; `copy_gbs` from bench/offline.py's copy."""
-    a = torch.randn(size, size).bfloat16()
-    b = torch.randn(size, size).bfloat16()
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_peaks(copy_gbs: float, device: torch.device | None = None, size: int | None = None) -> MachinePeaks:
+    """GEMM peaks from (size x size) @ (size x size) products on `device` (CPU: 1024, enough for 2 cores;
+    CUDA: 8192, enough to fill a GPU); `copy_gbs` from bench/offline.py's copy on the same device."""
+    device = device or torch.device("cpu")
+    size = size or (8192 if device.type == "cuda" else 1024)
+    a = torch.randn(size, size, device=device).bfloat16()
+    b = torch.randn(size, size, device=device).bfloat16()
     flops = 2.0 * size**3
-    bf16 = _best_rate(lambda: torch.mm(a, b), flops)
+    bf16 = _best_rate(lambda: torch.mm(a, b), flops, device)
     int8: float | None
     try:
-        ai = torch.randint(-127, 127, (size, size), dtype=torch.int8)
-        bi = torch.randint(-127, 127, (size, size), dtype=torch.int8)
-        int8 = _best_rate(lambda: torch._int_mm(ai, bi), flops)
+        ai = torch.randint(-127, 127, (size, size), dtype=torch.int8, device=device)
+        bi = torch.randint(-127, 127, (size, size), dtype=torch.int8, device=device)
+        int8 = _best_rate(lambda: torch._int_mm(ai, bi), flops, device)
     except (RuntimeError, AttributeError, NotImplementedError):
         int8 = None
     return MachinePeaks(bf16, int8, copy_gbs)
