@@ -145,6 +145,24 @@ def test_config(tiny_gemma2: Path) -> None:
     assert cfg.rope_local_theta is None and cfg.query_pre_attn_scalar == 24
 
 
+def test_released_gemma2_config_loads_as_transformers_reads_it() -> None:
+    """google/gemma-2-2b-it's config.json (transformers 4.42's shape: no layer_types, the window on every other
+    layer by Gemma 2's convention): caps 50 and 30, a 4096-token window on the even layers, scale 256**-0.5."""
+    raw = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attn_logit_softcapping": 50.0,
+           "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304,
+           "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+           "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "max_position_embeddings": 8192,
+           "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "vocab_size": 256000, "cache_implementation": "hybrid",
+           "bos_token_id": 2, "eos_token_id": [1, 107], "pad_token_id": 0, "torch_dtype": "float32"}
+    cfg = ModelConfig.from_hf_dict(raw)
+    want = transformers.Gemma2Config(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (50.0, 30.0)
+    assert cfg.layer_types == tuple(want.layer_types) and cfg.layer_types[:2] == ("sliding_attention", "full_attention")
+    assert [cfg.layer_window(i) for i in range(4)] == [4096, None, 4096, None]
+    assert cfg.query_pre_attn_scalar == want.query_pre_attn_scalar == 256 and cfg.rope_local_theta is None
+    assert cfg.rope_theta == 10000.0 and cfg.tie_word_embeddings and cfg.eos_token_ids == (1, 107)
+
+
 @pytest.mark.parametrize("bad", [0, -50.0, "fifty"])
 def test_bad_cap_in_the_config_is_named(tiny_gemma2: Path, bad: object) -> None:
     raw = json.loads((tiny_gemma2 / "config.json").read_text())
