@@ -243,6 +243,19 @@ def test_gguf_round_trip_matches_transformers(tmp_path: Path) -> None:
     assert [o.outputs[0].token_ids for o in outs] == ref_ids
 
 
+def test_gguf_quantized_checkpoint_keeps_the_caps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tokenloom quantize` of a Gemma 2 GGUF writes a config.json that reads back with both caps (the saved model
+    then generates what on-the-fly quantization does)."""
+    from test_quant_checkpoint import _assert_saved_matches_fly
+
+    folder = make_tiny_gemma(tmp_path / "hf", arch="gemma2", seed=34, layer_types=None, query_pre_attn_scalar=32,
+                             attn_logit_softcapping=ATTN_CAP, final_logit_softcapping=FINAL_CAP)
+    path = write_gemma3_gguf(folder, tmp_path / "gemma2.gguf", "gemma2")
+    _, saved = _assert_saved_matches_fly(path, tmp_path / "q", "int8", monkeypatch)
+    cfg = saved.engine.loaded.config
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (ATTN_CAP, FINAL_CAP)
+
+
 def test_gguf_without_caps_takes_llama_cpp_defaults(tmp_path: Path) -> None:
     """A Gemma 2 file that omits the window and caps reads as llama.cpp reads it: 4096, 50 and 30."""
     from tokenloom.models.gguf import config_from_gguf
