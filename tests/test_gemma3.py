@@ -124,12 +124,6 @@ def test_gemma2_with_final_softcapping_matches_transformers(tmp_path: Path) -> N
     torch.testing.assert_close(_prefill_logits(llm, ids), want, rtol=0, atol=LOGITS_ATOL)
 
 
-def test_gemma2_attention_softcapping_is_refused(tmp_path: Path) -> None:
-    folder = make_tiny_gemma(tmp_path / "gemma2", arch="gemma2", seed=23, attn_logit_softcapping=50.0)
-    with pytest.raises(UnsupportedArchitecture, match="attn_logit_softcapping"):
-        ModelConfig.from_hf_folder(folder)
-
-
 def test_multimodal_gemma3_is_refused_by_name(tiny_gemma3: Path) -> None:
     raw = json.loads((tiny_gemma3 / "config.json").read_text())
     with pytest.raises(UnsupportedArchitecture, match="Gemma3ForConditionalGeneration"):
@@ -147,9 +141,10 @@ _GEMMA_GGUF_NAMES = {
 }
 
 
-def write_gemma3_gguf(folder: Path, path: Path) -> Path:
+def write_gemma3_gguf(folder: Path, path: Path, arch: str = "gemma3") -> Path:
     """The tiny HF Gemma 3 as a float32 GGUF laid out as llama.cpp's converter writes it: the norm weights
-    stored as 1 + w, no q/k row permutation, every 6th layer global (so the tiny model has 6 layers)."""
+    stored as 1 + w, no q/k row permutation, every 6th layer global (so the tiny model has 6 layers). With
+    arch="gemma2", a tiny HF Gemma 2 (no q/k norms; every 2nd layer global) with its soft-capping values."""
     from gguf import GGMLQuantizationType as Q
     from safetensors.torch import load_file
 
@@ -172,15 +167,17 @@ def write_gemma3_gguf(folder: Path, path: Path) -> Path:
             _, _, i, rest = name.split(".", 3)  # model.layers.{i}.{module}.weight
             module = rest.removesuffix(".weight")
             tensors[f"blk.{i}.{_GEMMA_GGUF_NAMES[module]}.weight"] = (w + 1 if "norm" in module else w, Q.F32)
-    rope = hf["rope_parameters"]
+    rope = hf.get("rope_parameters") or {}
+    theta = (rope.get("full_attention") or rope).get("rope_theta", hf.get("rope_theta", 10000.0))
+    caps = {k: float(hf[k]) for k in ("attn_logit_softcapping", "final_logit_softcapping") if hf.get(k) is not None}
     hp = {"block_count": hf["num_hidden_layers"], "context_length": hf["max_position_embeddings"],
           "embedding_length": hf["hidden_size"], "feed_forward_length": hf["intermediate_size"],
           "attention.head_count": hf["num_attention_heads"], "attention.head_count_kv": hf["num_key_value_heads"],
           "attention.key_length": hf["head_dim"], "attention.value_length": hf["head_dim"],
           "attention.layer_norm_rms_epsilon": float(hf["rms_norm_eps"]),
           "attention.sliding_window": hf["sliding_window"],
-          "rope.freq_base": float(rope["full_attention"]["rope_theta"])}
-    return write_gguf(path, "gemma3", tokenizer, tensors, **hp)
+          "rope.freq_base": float(theta), **caps}
+    return write_gguf(path, arch, tokenizer, tensors, **hp)
 
 
 def test_gguf_round_trip_matches_transformers(tmp_path: Path) -> None:

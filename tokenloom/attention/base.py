@@ -79,5 +79,9 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # (T, Hq, D)
-        """Write k/v into the cache at meta.slot_mapping, then attend over what the cache holds."""
+        """Write k/v into the cache at meta.slot_mapping, then attend over what the cache holds.
+
+        `softcap` (Gemma 2's attn_logit_softcapping; None: off): the scaled scores s become
+        softcap * tanh(s / softcap) before the mask and softmax, as transformers' Gemma2 eager attention."""

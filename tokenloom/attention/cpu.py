@@ -27,7 +27,7 @@ class CPUBackend(SDPABackend):
         # False: every prefill chunk through SDPA (the old path; benchmarks/long_prompt.py compares both).
         self.paged_prefill = paged_prefill
 
-    def uses_kernel(self, p: PrefillChunk) -> bool:
+    def uses_kernel(self, p: PrefillChunk, softcap: float | None = None) -> bool:
         """The routing rule, measured (docs/benchmarks.md, "Long prompts: paged prefill attention"):
         - a chunk over a cached prefix, or under a sliding window, reads the cache in place through the
           kernel: SDPA had to gather (copy) the prefix and apply an explicit (q_len, ctx) mask, every
@@ -36,19 +36,22 @@ class CPUBackend(SDPABackend):
         - a chunk that is its sequence's whole context with no window (a fresh prompt, or the first
           chunk of one) stays on SDPA's causal flash kernel over the fresh K/V: there is nothing to
           gather, and on 512 fresh tokens (9 query / 3 KV heads of 64, bf16) the two measured within
-          the shared machine's noise of each other (29.7 / 34.4, 84 / 45, 52 / 67 ms kernel / SDPA)."""
-        return self.paged_prefill and (p.blocks is not None or p.mask is not None)
+          the shared machine's noise of each other (29.7 / 34.4, 84 / 45, 52 / 67 ms kernel / SDPA);
+        - a soft-capped layer's chunks (Gemma 2) all take the kernel, which caps the scores in its tiles:
+          SDPA's fused kernel cannot, and its math path (sdpa.softcapped_attention) materialises every
+          (q_len, ctx) score."""
+        return self.paged_prefill and (softcap is not None or p.blocks is not None or p.mask is not None)
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKVCache, meta: AttentionMetadata,
-        plan: DecodePlan, scale: float, sliding_window: int | None, out: torch.Tensor,
+        plan: DecodePlan, scale: float, sliding_window: int | None, out: torch.Tensor, softcap: float | None = None,
     ) -> None:
         if q.device.type != "cpu":
-            return super().prefill(q, k, v, kv, meta, plan, scale, sliding_window, out)
-        chunks = [p for p in plan.prefills if self.uses_kernel(p)]
+            return super().prefill(q, k, v, kv, meta, plan, scale, sliding_window, out, softcap)
+        chunks = [p for p in plan.prefills if self.uses_kernel(p, softcap)]
         for p in plan.prefills:
-            if not self.uses_kernel(p):
-                self.prefill_chunk(q, k, v, kv, p, scale, out)
+            if not self.uses_kernel(p, softcap):
+                self.prefill_chunk(q, k, v, kv, p, scale, out, softcap)
         if not chunks:
             return None
         # One call for every routed chunk (varlen): each chunk's rows of q and its sequence's block table.
@@ -56,7 +59,7 @@ class CPUBackend(SDPABackend):
         self.kernels.paged_prefill(
             q.contiguous(), kv.k, kv.v, kv.k_scale, kv.v_scale, meta.block_tables[rows],
             torch.tensor([p.start for p in chunks]), torch.tensor([p.end - p.start for p in chunks]),
-            torch.tensor([p.ctx for p in chunks]), scale, sliding_window or 0, out,
+            torch.tensor([p.ctx for p in chunks]), scale, sliding_window or 0, out, softcap or 0.0,
         )
         return None
 
@@ -74,11 +77,12 @@ class CPUBackend(SDPABackend):
 
     def decode(
         self, q: torch.Tensor, kv: LayerKVCache, plan: DecodePlan, scale: float, sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if q.device.type != "cpu":
-            return super().decode(q, kv, plan, scale, sliding_window)
+            return super().decode(q, kv, plan, scale, sliding_window, softcap)
         # An INT8 cache passes its scales; the kernel dequantizes each K/V row as it reads it.
         return self.kernels.paged_decode(
             q.contiguous(), kv.k, kv.v, kv.k_scale, kv.v_scale, plan.decode_blocks, plan.decode_lens, scale,
-            sliding_window or 0,
+            sliding_window or 0, softcap or 0.0,  # 0: no cap (the kernels' unchanged fast path)
         )

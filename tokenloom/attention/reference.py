@@ -23,6 +23,7 @@ class ReferenceBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         meta = meta.for_group(kv.group)  # the layer's KV group: its block tables and slots
         kv.write(k, v, meta.slot_mapping)
@@ -39,6 +40,8 @@ class ReferenceBackend(AttentionBackend):
             vals = vals.repeat_interleave(group, dim=1)
             qi = q[start:end].float()  # (q_len, Hq, D)
             scores = torch.einsum("qhd,khd->hqk", qi, keys) * scale  # (Hq, q_len, ctx)
+            if softcap is not None:  # Gemma 2: after the scale, before the mask (transformers' eager attention)
+                scores = torch.tanh(scores / softcap) * softcap
             q_pos = torch.arange(ctx - (end - start), ctx, device=q.device)[:, None]
             k_pos = torch.arange(ctx, device=q.device)[None, :]
             allowed = k_pos <= q_pos  # causal: (q_len, ctx)

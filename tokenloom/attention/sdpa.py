@@ -7,6 +7,10 @@ which is its causal mask (the chunk's K/V is written to the cache before attenti
 with no earlier context attends to its own fresh K/V with the built-in causal mask; a longer chunk that
 continues a sequence gathers its context from the cache with an offset causal mask; under a sliding
 window it gathers only the blocks the window reaches (a windowed KV group has released the older ones).
+
+Soft-capped layers (Gemma 2's attn_logit_softcapping) take the same routes with `softcapped_attention`, a
+math path, in place of the fused kernel: torch's SDPA has no way to apply cap * tanh(s / cap) between the
+scaling and the softmax.
 """
 
 from __future__ import annotations
@@ -58,6 +62,31 @@ class DecodePlan:
     decode_lens: torch.Tensor | None  # (B,) int64 context length of each decode row (its position + 1)
     all_decode: bool  # every token of the batch is a decode, in order: skip the index ops
     prefills: list[PrefillChunk]
+
+
+def softcapped_attention(
+    q: torch.Tensor,  # (B, Hq, Lq, D)
+    k: torch.Tensor,  # (B, Hkv, Lk, D), Hq a multiple of Hkv
+    v: torch.Tensor,  # (B, Hkv, Lk, D)
+    mask: torch.Tensor | None,  # bool, True = attend, broadcast to (B, Hq, Lq, Lk); None with `causal`
+    scale: float,
+    softcap: float,
+    causal: bool,
+) -> torch.Tensor:  # (B, Hq, Lq, D) in q's dtype
+    """F.scaled_dot_product_attention's result with the scaled scores capped at softcap * tanh(s / softcap)
+    before the mask (transformers' Gemma2 eager attention), in float32. `causal`: query i sees keys up to
+    Lk - Lq + i (the queries are the context's last Lq tokens), SDPA's is_causal for Lq == Lk."""
+    group = q.shape[1] // k.shape[1]
+    keys = k.float().repeat_interleave(group, dim=1)  # (B, Hq, Lk, D)
+    vals = v.float().repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), keys.transpose(-1, -2)) * scale  # (B, Hq, Lq, Lk)
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        lq, lk = scores.shape[-2:]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), vals).to(q.dtype)
 
 
 class SDPABackend(AttentionBackend):
@@ -114,6 +143,7 @@ class SDPABackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         meta = meta.for_group(kv.group)  # the layer's KV group: its block tables and slots
         k, v = self.write_kv(kv, k, v, meta.slot_mapping)  # as the cache holds them (INT8 round trip)
@@ -121,24 +151,24 @@ class SDPABackend(AttentionBackend):
         out = q.new_empty(q.shape)
         if plan.decode_tokens is not None:
             qd = q if plan.all_decode else q[plan.decode_tokens]  # (B, Hq, D)
-            od = self.decode(qd, kv, plan, scale, sliding_window)
+            od = self.decode(qd, kv, plan, scale, sliding_window, softcap)
             if plan.all_decode:
                 return od
             out[plan.decode_tokens] = od
         if plan.prefills:
-            self.prefill(q, k, v, kv, meta, plan, scale, sliding_window, out)
+            self.prefill(q, k, v, kv, meta, plan, scale, sliding_window, out, softcap)
         return out
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKVCache, meta: AttentionMetadata,
-        plan: DecodePlan, scale: float, sliding_window: int | None, out: torch.Tensor,
+        plan: DecodePlan, scale: float, sliding_window: int | None, out: torch.Tensor, softcap: float | None = None,
     ) -> None:
         """Attention of the plan's prefill chunks: q (T, Hq, D) -> their rows of out (T, Hq, D)."""
         for p in plan.prefills:  # each prompt chunk on its own
-            self.prefill_chunk(q, k, v, kv, p, scale, out)
+            self.prefill_chunk(q, k, v, kv, p, scale, out, softcap)
 
     def prefill_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKVCache, p: PrefillChunk,
-                      scale: float, out: torch.Tensor) -> None:
+                      scale: float, out: torch.Tensor, softcap: float | None = None) -> None:
         """One chunk through SDPA: fresh K/V when the chunk is the whole context, else the context gathered
         (copied) from the cache with an explicit mask."""
         group = q.shape[1] // kv.num_kv_heads
@@ -149,9 +179,10 @@ class SDPABackend(AttentionBackend):
             kp, vp = kv.gather(p.blocks, p.ctx - p.first, q.dtype)
         kp = kp.transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
         vp = vp.transpose(0, 1).unsqueeze(0)
-        op = sdpa(
-            qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=group > 1
-        )
+        if softcap is not None:
+            op = softcapped_attention(qp, kp, vp, p.mask, scale, softcap, causal=p.mask is None)
+        else:
+            op = sdpa(qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=group > 1)
         out[p.start : p.end] = op.squeeze(0).transpose(0, 1)
 
     def write_kv(self, kv: LayerKVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
@@ -161,6 +192,7 @@ class SDPABackend(AttentionBackend):
 
     def decode(
         self, q: torch.Tensor, kv: LayerKVCache, plan: DecodePlan, scale: float, sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """One query per sequence, q (B, Hq, D) -> (B, Hq, D), over gathered, padded, masked contexts."""
         batch, num_heads, head_dim = q.shape
@@ -177,5 +209,8 @@ class SDPABackend(AttentionBackend):
         keys, vals = kv.gather_blocks(plan.decode_blocks, q.dtype)  # (B, max_blocks, block_size, Hkv, D)
         keys = keys.flatten(1, 2).transpose(1, 2)  # (B, Hkv, L, D)
         vals = vals.flatten(1, 2).transpose(1, 2)
-        od = sdpa(qd, keys, vals, attn_mask=plan.decode_mask, scale=scale)
+        if softcap is not None:
+            od = softcapped_attention(qd, keys, vals, plan.decode_mask, scale, softcap, causal=False)
+        else:
+            od = sdpa(qd, keys, vals, attn_mask=plan.decode_mask, scale=scale)
         return od.reshape(batch, num_heads, head_dim)

@@ -21,7 +21,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "llama",  # Qwen3 layout, MoE MLPs (dense ones where mlp_only_layers says so)
     "Qwen2MoeForCausalLM": "llama",  # Qwen2 layout, MoE MLPs with a gated shared expert
     "Gemma3ForCausalLM": "gemma",  # interleaved sliding/global layers, 4 norms a layer, q/k norm (models/gemma.py)
-    "Gemma2ForCausalLM": "gemma",  # Gemma 3 without q/k norm, one RoPE base; attention softcapping refused
+    "Gemma2ForCausalLM": "gemma",  # Gemma 3 without q/k norm, one RoPE base, attention and final logits soft-capped
 }
 
 
@@ -73,6 +73,9 @@ class ModelConfig:
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None  # attention scale = query_pre_attn_scalar**-0.5 (None: head_dim)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    # Gemma 2: every layer's scaled attention scores -> cap * tanh(scores / cap) before the mask and softmax
+    # (the attention backends' `softcap`); None: off.
+    attn_logit_softcapping: float | None = None
     # Mixture of experts (models/moe.py); num_experts 0 means every layer has a dense SwiGLU MLP.
     num_experts: int = 0
     num_experts_per_tok: int = 0  # k: experts each token is routed to
@@ -190,10 +193,6 @@ def _gemma_flat(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """A Gemma 2/3 config.json in the flat shape from_hf_dict reads: the global layers' RoPE (transformers 5
     nests it under rope_parameters["full_attention"], 4 writes rope_theta + rope_scaling) as rope_theta /
     rope_scaling, `hidden_activation` as hidden_act, and Gemma's defaults where the file omits a field."""
-    if cfg.get("attn_logit_softcapping") is not None:
-        raise UnsupportedArchitecture(
-            f"{arch}: attn_logit_softcapping={cfg['attn_logit_softcapping']} (tanh-capped attention scores) is not "
-            "implemented by tokenloom's attention backends")
     if cfg.get("use_bidirectional_attention"):
         raise UnsupportedArchitecture(f"{arch}: use_bidirectional_attention (an embedding model) is not supported")
     out = dict(cfg)
@@ -227,10 +226,24 @@ def _gemma_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if SUPPORTED_ARCHITECTURES.get(arch) != "gemma":
         return {}
     local = float(cfg.get("rope_local_base_freq") or 10000.0) if arch == "Gemma3ForCausalLM" else None
-    cap = cfg.get("final_logit_softcapping")
     return dict(rope_local_theta=local,
                 query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
-                final_logit_softcapping=None if cap is None else float(cap))
+                final_logit_softcapping=softcap(cfg.get("final_logit_softcapping"), f"{arch}: final_logit_softcapping"),
+                attn_logit_softcapping=softcap(cfg.get("attn_logit_softcapping"), f"{arch}: attn_logit_softcapping"))
+
+
+def softcap(value: Any, what: str) -> float | None:
+    """A soft-capping value from a config or GGUF file: None (off) or a positive number; anything else is an
+    error naming `what` (cap * tanh(x / cap) with cap <= 0 is no cap at all)."""
+    if value is None:
+        return None
+    try:
+        cap = float(value)
+    except (TypeError, ValueError):
+        raise ModelLoadError(f"{what} must be a positive number or null, got {value!r}") from None
+    if not cap > 0 or math.isinf(cap):
+        raise ModelLoadError(f"{what} must be a positive number or null, got {value!r}")
+    return cap
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -5,8 +5,9 @@
 - Four RMSNorms a layer, before and after attention and before and after the MLP; each scales by (1 + w),
   computed in float32 and then cast (transformers' Gemma3RMSNorm), and q/k are normed per head (Gemma 3).
 - Embeddings scaled by sqrt(hidden), that factor rounded to the model dtype first (as transformers does).
-- GeGLU MLP (tanh-approximated GELU), attention scale query_pre_attn_scalar**-0.5, and optionally the final
-  logits soft-capped, cap * tanh(logits / cap) (Gemma 2).
+- GeGLU MLP (tanh-approximated GELU), attention scale query_pre_attn_scalar**-0.5, and optionally (Gemma 2)
+  the attention scores and the final logits soft-capped, cap * tanh(x / cap): the scores by the attention
+  backend (its `softcap`), after scaling and before the mask and softmax.
 
 Module paths are the Llama family's (embed_tokens, layers.{i}.self_attn.qkv_proj / o_proj,
 layers.{i}.mlp.gate_up_proj / down_proj, norm, lm_head) so the GGUF kept-quantized loader (gguf_kept.py)
@@ -85,6 +86,7 @@ class GemmaAttention(nn.Module):
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.sliding_window = cfg.layer_window(layer)  # None on the global layers
+        self.softcap = cfg.attn_logit_softcapping  # Gemma 2, every layer; None: off
         self.backend = backend
         self.kernels: ModuleType | None = None  # fused C++ RoPE when set (CPU)
 
@@ -98,7 +100,7 @@ class GemmaAttention(nn.Module):
             q = self.q_norm(q)[0]
             k = self.k_norm(k)[0]
         q, k = apply_rope(q, k, rope, self.kernels)
-        out = self.backend.forward(q, k, v, kv, meta, self.scale, self.sliding_window)
+        out = self.backend.forward(q, k, v, kv, meta, self.scale, self.sliding_window, self.softcap)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

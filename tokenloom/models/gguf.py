@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tokenloom.errors import ConfigError, ModelLoadError, UnsupportedArchitecture
-from tokenloom.models.config import ModelConfig, RopeScaling, parse_rope_scaling
+from tokenloom.models.config import ModelConfig, RopeScaling, parse_rope_scaling, softcap
 from tokenloom.models.gguf_file import GGUFFile, read_gguf
 from tokenloom.models.gguf_tokenizer import tokenizer_from_gguf
 from tokenloom.tokenizer import Tokenizer
@@ -35,6 +35,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",  # Phi-3 and Phi-4-mini: fused attn_qkv, ffn_up holding gate then up rows
 }
@@ -42,7 +43,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
 ROPE_PERMUTED = {"llama"}
 # Gemma: llama.cpp's converter stores every RMSNorm weight as 1 + w (its norms multiply by the weight as is);
 # the weights are read back as w, as transformers' Gemma2TensorProcessor does, for models/gemma.py's (1 + w).
-GEMMA_ARCHITECTURES = {"gemma3"}
+GEMMA_ARCHITECTURES = {"gemma2", "gemma3"}
 
 LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -144,28 +145,32 @@ def _moe_config(f: GGUFFile, arch: str, n_layers: int) -> dict[str, Any]:
 
 
 def _gemma_config(f: GGUFFile, arch: str, hidden_per_head: int, head_dim: int) -> dict[str, Any]:
-    """ModelConfig's Gemma 3 fields, as llama.cpp reads the file ({} for other architectures).
+    """ModelConfig's Gemma 2/3 fields, as llama.cpp reads the file ({} for other architectures).
 
-    The file states the window but not which layers have it: llama.cpp (and transformers' default
-    sliding_window_pattern) make every 6th layer global. The local layers' RoPE base is
+    The file states the window but not which layers have it: llama.cpp (and transformers' defaults) make
+    every 6th layer global in Gemma 3 and every 2nd in Gemma 2. Gemma 3's local layers' RoPE base is
     `{arch}.rope.freq_base_swa` where present, else 10000 (llama.cpp's default; transformers always uses
-    10000). The attention scale is 1/sqrt(head_dim), except for the 27B model (62 layers), whose
-    query_pre_attn_scalar is hidden/heads; llama.cpp has the same rule."""
+    10000); Gemma 2 has one base for both kinds. The attention scale is 1/sqrt(head_dim), except for the
+    27B models (Gemma 3: 62 layers, Gemma 2: 46), whose query_pre_attn_scalar is hidden/heads; llama.cpp
+    has the same rule. Gemma 2's window and soft-capping values default to llama.cpp's (and
+    transformers' Gemma2Config's) where the file omits them: 4096, attention 50, final logits 30."""
     if arch not in GEMMA_ARCHITECTURES:
         return {}
     md = f.metadata
     n_layers = int(md[f"{arch}.block_count"])
-    window = md.get(f"{arch}.attention.sliding_window")
-    cap = md.get(f"{arch}.final_logit_softcapping")
-    if md.get(f"{arch}.attn_logit_softcapping") is not None:
-        raise UnsupportedArchitecture(f"{arch}: attention logit softcapping is not implemented by tokenloom's "
-                                      "attention backends")
+    gemma2 = arch == "gemma2"
+    window = md.get(f"{arch}.attention.sliding_window", 4096 if gemma2 else None)
+    pattern = 2 if gemma2 else 6
+    big = n_layers == (46 if gemma2 else 62)
     return dict(
         sliding_window=None if window is None else int(window),
-        layer_types=tuple("sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layers)),
-        rope_local_theta=float(md.get(f"{arch}.rope.freq_base_swa", 10000.0)),
-        query_pre_attn_scalar=float(hidden_per_head if n_layers == 62 else head_dim),
-        final_logit_softcapping=None if cap is None else float(cap),
+        layer_types=tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)),
+        rope_local_theta=None if gemma2 else float(md.get(f"{arch}.rope.freq_base_swa", 10000.0)),
+        query_pre_attn_scalar=float(hidden_per_head if big else head_dim),
+        final_logit_softcapping=softcap(md.get(f"{arch}.final_logit_softcapping", 30.0 if gemma2 else None),
+                                        f"{f.path}: {arch}.final_logit_softcapping"),
+        attn_logit_softcapping=softcap(md.get(f"{arch}.attn_logit_softcapping", 50.0 if gemma2 else None),
+                                       f"{f.path}: {arch}.attn_logit_softcapping"),
         hidden_act="gelu_pytorch_tanh",
     )
 

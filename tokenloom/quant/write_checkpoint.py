@@ -142,7 +142,7 @@ def _gemma_hf(cfg: ModelConfig) -> dict[str, Any]:
         return {}
     return {"layer_types": list(cfg.layer_types), "rope_local_base_freq": cfg.rope_local_theta,
             "query_pre_attn_scalar": cfg.query_pre_attn_scalar, "final_logit_softcapping": cfg.final_logit_softcapping,
-            "hidden_activation": cfg.hidden_act}
+            "attn_logit_softcapping": cfg.attn_logit_softcapping, "hidden_activation": cfg.hidden_act}
 
 
 def _moe_hf(cfg: ModelConfig) -> dict[str, Any]:

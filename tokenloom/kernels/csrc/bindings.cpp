@@ -2,9 +2,17 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention, one query per sequence; int8 caches with float16 scales");
+  namespace py = pybind11;
+  m.def("paged_decode", &paged_decode, "paged decode attention, one query per sequence; int8 caches with float16 "
+        "scales; softcap > 0 caps the scaled scores at softcap * tanh(s / softcap) (Gemma 2)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
+        py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window"),
+        py::arg("softcap") = 0.0);
   m.def("paged_prefill", &paged_prefill, "paged causal prefill attention for chunks of several sequences over their "
-        "cached K/V, read in place; writes the chunks' rows of out; int8 caches with float16 scales");
+        "cached K/V, read in place; writes the chunks' rows of out; int8 caches with float16 scales; softcap as "
+        "paged_decode", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
+        py::arg("block_tables"), py::arg("q_starts"), py::arg("q_lens"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("sliding_window"), py::arg("out"), py::arg("softcap") = 0.0);
   m.def("write_kv", &write_kv, "new K and V (T, Hkv, D) into their cache slots");
   m.def("write_kv_int8", &write_kv_int8, "new K and V quantized into an int8 cache with per-(token, head) float16 "
         "scales; returns the dequantized K and V");

@@ -118,7 +118,7 @@ class DecodeStack {
         write_kv(kc.to(L.k_cache.scalar_type()), vc.to(L.v_cache.scalar_type()), L.k_cache, L.v_cache, slots);
       }
       const at::Tensor a = paged_decode(q.contiguous(), L.k_cache, L.v_cache, L.k_scale, L.v_scale, block_tables,
-                                        seq_lens, scale_, sliding_window_);
+                                        seq_lens, scale_, sliding_window_, /*softcap=*/0.0);  // Llama family: no cap
       std::tie(h, res) = add_rms_norm(L.o(a.reshape({B, q_size})).contiguous(), res, L.post_norm, eps_);
       x = L.down(silu_and_mul(L.gate_up(h)));
       residual = res;

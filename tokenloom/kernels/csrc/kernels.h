@@ -51,12 +51,13 @@ inline bool scales_per_head(const at::Tensor& s) {
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                        int64_t sliding_window);
+                        int64_t sliding_window, double softcap);
 // paged_prefill.cpp
 void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                    const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
-                   const at::Tensor& seq_lens, double scale, int64_t sliding_window, at::Tensor out);
+                   const at::Tensor& seq_lens, double scale, int64_t sliding_window, at::Tensor out,
+                   double softcap);
 // elementwise.cpp
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps);

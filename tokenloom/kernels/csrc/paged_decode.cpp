@@ -7,6 +7,8 @@
 // block_tables: (B, max_blocks) int64      block ids of each sequence, in order
 // seq_lens:     (B,) int64                 context length of each sequence, the new token included
 // out:          (B, Hq, D)
+// softcap:      0, or Gemma 2's attention logit cap: each scaled score s -> softcap * tanh(s / softcap)
+//               before the softmax (dtype.h softcap_inplace; a pass over the scores only when set)
 //
 // Work is split over (sequence, kv head) pairs; the G = Hq / Hkv query heads that share a KV head are
 // processed together so each K/V row is read from memory once. Scores and the softmax are in float32.
@@ -63,7 +65,7 @@ template <typename scalar_t, typename cache_t, int64_t kD>
 static void paged_decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Half* k_scale, const at::Half* v_scale, int64_t scale_stride,
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
-                                double scale, int64_t sliding_window) {
+                                double scale, int64_t sliding_window, double softcap) {
   const int64_t B = q.size(0), Hq = q.size(1), D = kD > 0 ? kD : q.size(2);
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = Hq / Hkv;
@@ -75,7 +77,7 @@ static void paged_decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), row(D), scores;
@@ -107,6 +109,7 @@ static void paged_decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, 
           }
         }
       }
+      if (cap > 0.f) softcap_inplace(scores.data(), G * n, cap);
       // softmax over t, per query head
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
@@ -168,7 +171,7 @@ static inline void prefetch_row(const void* row) {
 // scores.
 template <int64_t kD, bool kScaled, int kG, typename KRow, typename VRow>
 static inline void attend_heads_bf16(const c10::BFloat16* qg, KRow krow, VRow vrow, const float* ks, const float* vs,
-                                     int64_t n, float fscale, float* sc, c10::BFloat16* og) {
+                                     int64_t n, float fscale, float cap, float* sc, c10::BFloat16* og) {
   constexpr int64_t V = kD / 32;  // 512-bit vectors per bf16 row
   const __m512i odd_mask = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   __m512bh qv[kG][V];
@@ -202,6 +205,7 @@ static inline void attend_heads_bf16(const c10::BFloat16* qg, KRow krow, VRow vr
     dots(i, a);
     for (int g = 0; g < kG; ++g) sc[g * n + i] = _mm512_reduce_add_ps(a[g]) * fscale * (kScaled ? ks[i] : 1.f);
   }
+  if (cap > 0.f) softcap_inplace(sc, kG * n, cap);  // Gemma 2: sc holds the kG heads' n scores each
   for (int64_t j = 0; j < std::min(n, kAhead); ++j) prefetch_row<kD * 2>(vrow(j));  // V's first rows, under the softmax
   float sum[kG];
   for (int g = 0; g < kG; ++g) sum[g] = exp_minus_max(sc + g * n, n);
@@ -242,17 +246,17 @@ static inline void attend_heads_bf16(const c10::BFloat16* qg, KRow krow, VRow vr
 // 128, 1 at 256.
 template <int64_t kD, bool kScaled, typename KRow, typename VRow>
 static inline void attend_group_bf16(int64_t G, const c10::BFloat16* qg, KRow krow, VRow vrow, const float* ks,
-                                     const float* vs, int64_t n, float fscale, float* sc, c10::BFloat16* og) {
+                                     const float* vs, int64_t n, float fscale, float cap, float* sc, c10::BFloat16* og) {
   constexpr int kMax = kD <= 64 ? 4 : kD <= 128 ? 2 : 1;
   for (int64_t g = 0; g < G;) {
     const int64_t r = std::min<int64_t>(G - g, kMax);
     const c10::BFloat16* q = qg + g * kD;
     c10::BFloat16* o = og + g * kD;
     switch (r) {
-      case 4: if constexpr (kMax >= 4) attend_heads_bf16<kD, kScaled, 4>(q, krow, vrow, ks, vs, n, fscale, sc, o); break;
-      case 3: if constexpr (kMax >= 3) attend_heads_bf16<kD, kScaled, 3>(q, krow, vrow, ks, vs, n, fscale, sc, o); break;
-      case 2: if constexpr (kMax >= 2) attend_heads_bf16<kD, kScaled, 2>(q, krow, vrow, ks, vs, n, fscale, sc, o); break;
-      default: attend_heads_bf16<kD, kScaled, 1>(q, krow, vrow, ks, vs, n, fscale, sc, o); break;
+      case 4: if constexpr (kMax >= 4) attend_heads_bf16<kD, kScaled, 4>(q, krow, vrow, ks, vs, n, fscale, cap, sc, o); break;
+      case 3: if constexpr (kMax >= 3) attend_heads_bf16<kD, kScaled, 3>(q, krow, vrow, ks, vs, n, fscale, cap, sc, o); break;
+      case 2: if constexpr (kMax >= 2) attend_heads_bf16<kD, kScaled, 2>(q, krow, vrow, ks, vs, n, fscale, cap, sc, o); break;
+      default: attend_heads_bf16<kD, kScaled, 1>(q, krow, vrow, ks, vs, n, fscale, cap, sc, o); break;
     }
     g += r;
   }
@@ -263,7 +267,7 @@ static inline void attend_group_bf16(int64_t G, const c10::BFloat16* qg, KRow kr
 template <int64_t kD>
 static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
-                              double scale, int64_t sliding_window) {
+                              double scale, int64_t sliding_window, double softcap) {
   const int64_t B = q.size(0), Hq = q.size(1), block_size = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
   const int64_t token_stride = Hkv * kD;
@@ -273,7 +277,7 @@ static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, co
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   auto* op = out.data_ptr<c10::BFloat16>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> slots;
@@ -285,7 +289,7 @@ static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, co
       scores.resize(G * n);
       auto krow = [&](int64_t i) { return kp + slots[i] * token_stride + h * kD; };
       auto vrow = [&](int64_t i) { return vp + slots[i] * token_stride + h * kD; };
-      attend_group_bf16<kD, false>(G, qp + (b * Hq + h * G) * kD, krow, vrow, nullptr, nullptr, n, fscale,
+      attend_group_bf16<kD, false>(G, qp + (b * Hq + h * G) * kD, krow, vrow, nullptr, nullptr, n, fscale, cap,
                                    scores.data(), op + (b * Hq + h * G) * kD);
     }
   });
@@ -303,7 +307,7 @@ template <typename scalar_t, int64_t kD>
 static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Half* k_scale, const at::Half* v_scale, int64_t scale_stride,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
-                              double scale, int64_t sliding_window) {
+                              double scale, int64_t sliding_window, double softcap) {
   constexpr bool kBF16 = std::is_same_v<scalar_t, c10::BFloat16>;
   using row_t = std::conditional_t<kBF16, c10::BFloat16, float>;  // what the codes widen to
   constexpr int64_t V = kD / 16;  // float vectors per row
@@ -316,7 +320,7 @@ static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, co
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
   // (n, kD) int8 rows at `base` + slots[i] * token_stride -> (n, kD) row_t
   auto widen_rows = [&](const int8_t* base, const std::vector<int64_t>& slots, int64_t n, row_t* dst) {
@@ -358,7 +362,7 @@ static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, co
       if constexpr (kBF16) {
         auto krow = [&](int64_t i) { return kf.data() + i * kD; };
         auto vrow = [&](int64_t i) { return vf.data() + i * kD; };
-        attend_group_bf16<kD, true>(G, qp + (b * Hq + h * G) * kD, krow, vrow, ks.data(), vs.data(), n, fscale,
+        attend_group_bf16<kD, true>(G, qp + (b * Hq + h * G) * kD, krow, vrow, ks.data(), vs.data(), n, fscale, cap,
                                     scores.data(), op + (b * Hq + h * G) * kD);
       } else {
         for (int64_t g = 0; g < G; ++g) {
@@ -377,6 +381,7 @@ static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, co
           for (; i + 4 <= n; i += 4)
             _mm_storeu_ps(sc + i, _mm_mul_ps(hsum4(dot(i), dot(i + 1), dot(i + 2), dot(i + 3)), _mm_loadu_ps(ks.data() + i)));
           for (; i < n; ++i) sc[i] = _mm512_reduce_add_ps(dot(i)) * ks[i];
+          if (cap > 0.f) softcap_inplace(sc, n, cap);
           const float sum = exp_minus_max(sc, n);
           __m512 acc[V];
           for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
@@ -402,18 +407,18 @@ static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, co
 template <typename scalar_t, typename cache_t>
 static void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Half* ks, const at::Half* vs, int64_t ss, const at::Tensor& bt,
-                              const at::Tensor& lens, at::Tensor& out, double scale, int64_t sliding_window) {
+                              const at::Tensor& lens, at::Tensor& out, double scale, int64_t sliding_window, double softcap) {
   switch (q.size(2)) {
-    case 64: paged_decode_kernel<scalar_t, cache_t, 64>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window); break;
-    case 128: paged_decode_kernel<scalar_t, cache_t, 128>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window); break;
-    default: paged_decode_kernel<scalar_t, cache_t, 0>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window);
+    case 64: paged_decode_kernel<scalar_t, cache_t, 64>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window, softcap); break;
+    case 128: paged_decode_kernel<scalar_t, cache_t, 128>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window, softcap); break;
+    default: paged_decode_kernel<scalar_t, cache_t, 0>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window, softcap);
   }
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                        int64_t sliding_window) {
+                        int64_t sliding_window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode: q (B, Hq, D), cache (N, bs, Hkv, D)");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: contiguous inputs");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode: k and v cache dtypes differ");
@@ -432,6 +437,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   }
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_decode: query heads not a multiple of kv heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "paged_decode: int64 tables");
+  TORCH_CHECK(softcap >= 0, "paged_decode: softcap must be >= 0 (0: none)");
   auto bt = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   at::Tensor out = at::empty_like(q);
@@ -440,9 +446,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 #ifdef TOKENLOOM_PAGED_BF16
   if (!int8 && q.scalar_type() == at::kBFloat16) {
     switch (q.size(2)) {
-      case 64: paged_decode_bf16<64>(q, k_cache, v_cache, bt, lens, out, scale, sliding_window); return out;
-      case 128: paged_decode_bf16<128>(q, k_cache, v_cache, bt, lens, out, scale, sliding_window); return out;
-      case 256: paged_decode_bf16<256>(q, k_cache, v_cache, bt, lens, out, scale, sliding_window); return out;
+      case 64: paged_decode_bf16<64>(q, k_cache, v_cache, bt, lens, out, scale, sliding_window, softcap); return out;
+      case 128: paged_decode_bf16<128>(q, k_cache, v_cache, bt, lens, out, scale, sliding_window, softcap); return out;
+      case 256: paged_decode_bf16<256>(q, k_cache, v_cache, bt, lens, out, scale, sliding_window, softcap); return out;
       default: break;  // other head sizes: the portable kernel
     }
   }
@@ -452,17 +458,17 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 #ifdef TOKENLOOM_PAGED_BF16
     if (int8) {
       switch (q.size(2)) {
-        case 64: return paged_decode_int8<scalar_t, 64>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window);
-        case 128: return paged_decode_int8<scalar_t, 128>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window);
-        case 256: return paged_decode_int8<scalar_t, 256>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window);
+        case 64: return paged_decode_int8<scalar_t, 64>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window, softcap);
+        case 128: return paged_decode_int8<scalar_t, 128>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window, softcap);
+        case 256: return paged_decode_int8<scalar_t, 256>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window, softcap);
         default: break;  // other head sizes: the portable kernel
       }
     }
 #endif
     if (int8)
-      dispatch_head_dim<scalar_t, int8_t>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window);
+      dispatch_head_dim<scalar_t, int8_t>(q, k_cache, v_cache, ks, vs, ss, bt, lens, out, scale, sliding_window, softcap);
     else
-      dispatch_head_dim<scalar_t, scalar_t>(q, k_cache, v_cache, ks, vs, 0, bt, lens, out, scale, sliding_window);
+      dispatch_head_dim<scalar_t, scalar_t>(q, k_cache, v_cache, ks, vs, 0, bt, lens, out, scale, sliding_window, softcap);
   });
   return out;
 }

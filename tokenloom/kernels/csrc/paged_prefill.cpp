@@ -11,6 +11,8 @@
 // seq_lens:     (S,) int64                 context length after the chunk: query j sits at position
 //                                          seq_lens[s] - q_lens[s] + j and sees keys (p - window, p]
 // out:          (T, Hq, D)                 rows of the listed chunks are written, the others left alone
+// softcap:      0, or Gemma 2's attention logit cap: each scaled score s -> softcap * tanh(s / softcap) before
+//               the mask and the online softmax (one more pass over a tile's scores, only when set)
 //
 // Flash-attention style: one work item is (query tile of kQTile tokens, kv head) of one chunk, all G =
 // Hq / Hkv query heads of that KV head together (each K/V tile is widened once for kQTile * G rows). Keys
@@ -69,6 +71,17 @@ inline __m512 exp512(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
+// cap * tanh(s / cap) of 16 lanes: dtype.h's softcap_inplace in AVX-512 intrinsics (tanh |y| = (1 - e) / (1 + e),
+// e = exp(-2|y|) <= 1, then y's sign bit put back).
+inline __m512 softcap512(__m512 s, float cap) {
+  const __m512 y = _mm512_mul_ps(s, _mm512_set1_ps(1.f / cap));
+  const __m512 e = exp512(_mm512_mul_ps(_mm512_abs_ps(y), _mm512_set1_ps(-2.f)));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(static_cast<int32_t>(0x80000000u)));
+  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign)), _mm512_set1_ps(cap));
+}
+
 // One key tile for nr <= kRowGroup query rows (row r0 + i: query token (r0 + i) / G of the tile, at
 // position pos0 + (r0 + i) / G): q at qf (nr, kD) scaled, kt (kD, kKeys), vf (kKeys, kD) with zero rows past
 // nk; updates the rows' running max m, sum l and accumulator acc (nr, kD). The scores of all nr rows
@@ -76,7 +89,8 @@ inline __m512 exp512(__m512 x) {
 // across the tile's 16 keys.
 template <int64_t kD>
 inline void tile_rows_avx512(const float* qf, const float* kt, const float* vf, int64_t nr, int64_t r0, int64_t G,
-                             int64_t pos0, int64_t t0, int64_t nk, int64_t window, float* m, float* l, float* acc) {
+                             int64_t pos0, int64_t t0, int64_t nk, int64_t window, float cap, float* m, float* l,
+                             float* acc) {
   __m512 s[kRowGroup];
   for (int64_t i = 0; i < kRowGroup; ++i) s[i] = _mm512_setzero_ps();
   for (int64_t d = 0; d < kD; ++d) {
@@ -84,6 +98,8 @@ inline void tile_rows_avx512(const float* qf, const float* kt, const float* vf, 
     for (int64_t i = 0; i < kRowGroup; ++i)
       if (i < nr) s[i] = _mm512_fmadd_ps(_mm512_set1_ps(qf[i * kD + d]), k, s[i]);
   }
+  if (cap > 0.f)
+    for (int64_t i = 0; i < nr; ++i) s[i] = softcap512(s[i], cap);
   for (int64_t i = 0; i < nr; ++i) {
     const int64_t p = pos0 + (r0 + i) / G;
     const int64_t first = window > 0 ? std::max(t0, p - window + 1) : t0;  // allowed keys: [first, last]
@@ -113,7 +129,7 @@ inline void tile_rows_avx512(const float* qf, const float* kt, const float* vf, 
 template <typename scalar_t, typename cache_t, int64_t kD>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Half* k_scale,
                     const at::Half* v_scale, int64_t scale_stride, const int64_t* bt, int64_t max_blocks,
-                    const std::vector<Chunk>& chunks, at::Tensor& out, float fscale, int64_t window) {
+                    const std::vector<Chunk>& chunks, at::Tensor& out, float fscale, int64_t window, float cap) {
   const int64_t Hq = q.size(1), D = kD > 0 ? kD : q.size(2);
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), G = Hq / Hkv;
   const int64_t token_stride = Hkv * D;
@@ -173,7 +189,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
         if constexpr (kD > 0) {
           for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup)
             tile_rows_avx512<kD>(qf.data() + r0 * D, kt.data(), vf.data(), std::min(kRowGroup, rows - r0), r0, G, pos0,
-                                 t0, nk, window, m.data() + r0, l.data() + r0, acc.data() + r0 * D);
+                                 t0, nk, window, cap, m.data() + r0, l.data() + r0, acc.data() + r0 * D);
           continue;
         }
 #endif
@@ -189,6 +205,8 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
               for (int64_t j = 0; j < kKeys; ++j) s[i][j] += qd * k[j];
             }
           }
+          if (cap > 0.f)
+            for (int64_t i = 0; i < nr; ++i) softcap_inplace(s[i], kKeys, cap);
           for (int64_t i = 0; i < nr; ++i) {
             const int64_t r = r0 + i, p = pos0 + r / G;
             // Allowed keys of position p: t <= p, t > p - window, and inside the tile.
@@ -236,12 +254,12 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 template <typename scalar_t, typename cache_t>
 void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Half* ks,
                        const at::Half* vs, int64_t ss, const int64_t* bt, int64_t max_blocks,
-                       const std::vector<Chunk>& chunks, at::Tensor& out, float scale, int64_t window) {
+                       const std::vector<Chunk>& chunks, at::Tensor& out, float scale, int64_t window, float cap) {
   switch (q.size(2)) {
-    case 64: return prefill_kernel<scalar_t, cache_t, 64>(q, k_cache, v_cache, ks, vs, ss, bt, max_blocks, chunks, out, scale, window);
-    case 128: return prefill_kernel<scalar_t, cache_t, 128>(q, k_cache, v_cache, ks, vs, ss, bt, max_blocks, chunks, out, scale, window);
-    case 256: return prefill_kernel<scalar_t, cache_t, 256>(q, k_cache, v_cache, ks, vs, ss, bt, max_blocks, chunks, out, scale, window);
-    default: return prefill_kernel<scalar_t, cache_t, 0>(q, k_cache, v_cache, ks, vs, ss, bt, max_blocks, chunks, out, scale, window);
+    case 64: return prefill_kernel<scalar_t, cache_t, 64>(q, k_cache, v_cache, ks, vs, ss, bt, max_blocks, chunks, out, scale, window, cap);
+    case 128: return prefill_kernel<scalar_t, cache_t, 128>(q, k_cache, v_cache, ks, vs, ss, bt, max_blocks, chunks, out, scale, window, cap);
+    case 256: return prefill_kernel<scalar_t, cache_t, 256>(q, k_cache, v_cache, ks, vs, ss, bt, max_blocks, chunks, out, scale, window, cap);
+    default: return prefill_kernel<scalar_t, cache_t, 0>(q, k_cache, v_cache, ks, vs, ss, bt, max_blocks, chunks, out, scale, window, cap);
   }
 }
 
@@ -250,7 +268,7 @@ void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at:
 void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                    const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
-                   const at::Tensor& seq_lens, double scale, int64_t sliding_window, at::Tensor out) {
+                   const at::Tensor& seq_lens, double scale, int64_t sliding_window, at::Tensor out, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && out.sizes() == q.sizes(),
               "paged_prefill: q and out (T, Hq, D), cache (N, bs, Hkv, D)");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -278,6 +296,7 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == S && q_lens.numel() == S && seq_lens.numel() == S,
               "paged_prefill: one block table row, q start, q length and context length per chunk");
   TORCH_CHECK(sliding_window >= 0, "paged_prefill: sliding_window must be >= 0 (0: none)");
+  TORCH_CHECK(softcap >= 0, "paged_prefill: softcap must be >= 0 (0: none)");
   auto bt = block_tables.contiguous();
   auto qs = q_starts.contiguous(), ql = q_lens.contiguous(), sl = seq_lens.contiguous();
   const int64_t max_blocks = bt.size(1), bs = k_cache.size(1);
@@ -297,12 +316,12 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   const at::Half* ks = int8 ? k_scale->data_ptr<at::Half>() : nullptr;
   const at::Half* vs = int8 ? v_scale->data_ptr<at::Half>() : nullptr;
   const int64_t ss = per_head ? 0 : k_cache.size(2);  // scale of token slot s, head h: [s * ss + h]
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill", [&] {
     if (int8)
-      dispatch_head_dim<scalar_t, int8_t>(q, k_cache, v_cache, ks, vs, ss, btp, max_blocks, chunks, out, fscale, sliding_window);
+      dispatch_head_dim<scalar_t, int8_t>(q, k_cache, v_cache, ks, vs, ss, btp, max_blocks, chunks, out, fscale, sliding_window, cap);
     else
       dispatch_head_dim<scalar_t, scalar_t>(q, k_cache, v_cache, nullptr, nullptr, 0, btp, max_blocks, chunks, out, fscale,
-                                            sliding_window);
+                                            sliding_window, cap);
   });
 }
