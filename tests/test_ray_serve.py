@@ -1,7 +1,9 @@
 """`tokenloom ray-serve` on a real two-node Ray cluster on this machine (tiny model): streams through the
 router equal a direct worker's; kill -9 of a worker under load (started streams end with an error event,
 unstarted requests succeed, none hangs) and Ray's replacement back in routing; scaling 2 -> 1 -> 2 -> 1 by
-the admin endpoint under continuous streaming load without losing a stream.
+the admin endpoint under continuous streaming load without losing a stream; and, on a second `ray-serve`
+with its autoscaler on, 1 -> 2 workers set off by the queue the workers' /metrics report under load and
+back to 1 as the load falls, the drained worker finishing its streams.
 
 The time bounds below only turn a hang into a failure; the times measured are in docs/benchmarks.md.
 """
@@ -52,8 +54,16 @@ def ray_cluster() -> Iterator[LocalRayCluster]:
         cluster.stop()
 
 
+# The `served` deployment's scaling: two workers, changed only by POST /admin/workers.
+BY_HAND = ("--min-workers", "1", "--max-workers", "2", "--initial-workers", "2", "--autoscale-interval", "0")
+_RUNNING: list[RayServe] = []  # the cluster's two CPUs hold one deployment's two workers at a time
+
+
 class RayServe:
-    def __init__(self, cluster: LocalRayCluster, model: Path, log: Path) -> None:
+    def __init__(self, cluster: LocalRayCluster, model: Path, log: Path, scaling: tuple[str, ...] = BY_HAND,
+                 worker_flags: tuple[str, ...] = ()) -> None:
+        for other in _RUNNING:
+            other.stop()
         key_file = log.with_name("api-key")
         key_file.write_text(AUTH["Authorization"].split()[1])
         self.port = free_port()
@@ -61,13 +71,13 @@ class RayServe:
         self.log = log
         cmd = [sys.executable, "-m", "tokenloom.cli", "ray-serve", "--address", cluster.address, "--port",
                str(self.port), "--model", str(model), "--served-model-name", "tiny", *WORKER_FLAGS,
-               "--min-workers", "1", "--max-workers", "2", "--initial-workers", "2", "--autoscale-interval", "0",
-               "--num-cpus-per-worker", "1", "--placement", "spread", "--check-interval", "0.25",
+               *worker_flags, *scaling, "--num-cpus-per-worker", "1", "--placement", "spread", "--check-interval", "0.25",
                "--worker-host", "127.0.0.1",  # every "node" is this machine: the workers stay on loopback
                "--health-interval", "0.25", "--graceful-timeout", "20", "--startup-timeout", "300",
                "--api-key-file", str(key_file), "--worker-logs-to-driver"]  # the workers' logs in this log too
         with log.open("ab") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=f, env=cluster.env, start_new_session=True)
+        _RUNNING.append(self)
 
     def wait(self) -> None:
         try:
@@ -260,5 +270,53 @@ def test_scale_down_and_up_under_load_loses_no_stream(served: RayServe) -> None:
         results = load.stop()
     assert len(results) >= 12
     for lines in results:  # every stream ran to its end: none broken by a drain
+        assert not any('"error"' in x for x in lines)
+        _text(lines)
+
+
+# The second deployment: one worker to start, its autoscaler on, every half second. A worker runs two
+# sequences at most, so six streams leave four waiting (up after two checks at a mean of one or more
+# waiting); two streams over two workers fit on one at two sequences each (down after four such checks).
+AUTOSCALED = ("--min-workers", "1", "--max-workers", "2", "--initial-workers", "1", "--autoscale-interval", "0.5",
+              "--scale-up-waiting", "1", "--scale-up-after", "2", "--scale-down-running", "2",
+              "--scale-down-after", "4")
+
+
+def test_load_scales_1_to_2_and_back_without_losing_a_stream(ray_cluster: LocalRayCluster,
+                                                             tmp_path_factory: pytest.TempPathFactory) -> None:
+    model = long_tiny_model(tmp_path_factory.mktemp("tiny-ray-autoscale"))
+    s = RayServe(ray_cluster, model, tmp_path_factory.mktemp("ray-autoscale") / "ray-serve.log", AUTOSCALED,
+                 ("--max-num-seqs", "2"))
+    light: Load | None = None
+    heavy: Load | None = None
+    try:
+        s.wait()
+        s.wait_for("one worker routed", lambda: len(s.published()) == 1 and len(s.routed()) == 1, 300)
+        assert s.workers()["autoscaled"] == {"up": 0, "down": 0} and s.workers()["target"] == 1
+        light = Load(s.url, clients=2, max_tokens=200)
+        heavy = Load(s.url, clients=4, max_tokens=200)
+        # Nothing but the measured queue asks for the second worker (no POST /admin/workers here).
+        s.wait_for("a second worker, added on the queue, routed",
+                   lambda: len(s.published()) == 2 and len(s.routed()) == 2, 300)
+        assert s.workers()["autoscaled"] == {"up": 1, "down": 0}
+        new_url = next(w["url"] for w in s.published() if w["number"] == 1)
+        s.wait_for("the new worker serving", lambda: f'worker="{new_url}"' in httpx.get(s.url + "/metrics").text, 120)
+        heavy_results = heavy.stop()  # the queue drains; the two light streams stay in flight
+        heavy = None
+        s.wait_for("back to one worker, the drained one stopped",
+                   lambda: len(s.workers()["workers"]) == 1 and len(s.routed()) == 1)
+        described = s.workers()
+        assert described["autoscaled"] == {"up": 1, "down": 1} and described["target"] == 1
+        done = len(light.results)
+        s.wait_for("streams going on on one worker", lambda: len(light.results) >= done + 2, 120)
+        light_results = light.stop()
+        light = None
+    finally:
+        for load in (light, heavy):
+            if load is not None:
+                load.stop()
+        s.stop()
+    assert heavy_results and len(light_results) >= 4
+    for lines in heavy_results + light_results:  # every stream ran to its end: none lost to a drain
         assert not any('"error"' in x for x in lines)
         _text(lines)

@@ -67,6 +67,7 @@ class RayWorkers:
         self.target = config.first_workers
         self.members: list[Member] = []
         self.replaced = 0  # actors killed and created anew for answering nothing (Ray's own restarts not counted)
+        self.scaled = {"up": 0, "down": 0}  # the autoscaler's decisions (set_target's by hand not counted)
         self._numbers = itertools.count()
         self._published: tuple[str, ...] = ()
         self._lock = threading.Lock()  # members and target, between the supervisor thread and the HTTP API
@@ -93,7 +94,7 @@ class RayWorkers:
     def describe(self) -> dict[str, object]:
         now = self.clock()
         with self._lock:
-            return {"target": self.target, "replaced": self.replaced, "workers": [
+            return {"target": self.target, "replaced": self.replaced, "autoscaled": dict(self.scaled), "workers": [
                 {"number": m.number, "url": m.info.url if m.info else None, "pid": m.info.pid if m.info else None,
                  "actor_pid": m.info.actor_pid if m.info else None, "node_id": m.info.node_id if m.info else None,
                  "ready": bool(m.info and m.info.ready), "draining": m.draining_since is not None,
@@ -238,6 +239,7 @@ class RayWorkers:
             if want != self.target:
                 log.info("autoscale: %d -> %d workers (waiting %s, running %s, kv %s)", self.target, want,
                          [x.waiting for x in loads], [x.running for x in loads], [x.kv_usage for x in loads])
+                self.scaled["up" if want > self.target else "down"] += 1
                 self.target = want
 
     def close(self) -> None:
