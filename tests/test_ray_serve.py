@@ -320,3 +320,68 @@ def test_load_scales_1_to_2_and_back_without_losing_a_stream(ray_cluster: LocalR
     for lines in heavy_results + light_results:  # every stream ran to its end: none lost to a drain
         assert not any('"error"' in x for x in lines)
         _text(lines)
+
+
+def test_the_rayservice_application_under_serve_run(ray_cluster: LocalRayCluster,
+                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    """deploy/kubernetes/ray/rayservice.yaml's serveConfigV2, its argv swapped for the tiny model's, under
+    `serve run` on the two nodes: Serve's proxy streams the router's completions, equal to a direct worker's."""
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'tokenloom[kuberay]')")
+    import shlex
+
+    import yaml
+
+    for other in _RUNNING:
+        other.stop()
+    folder = tmp_path_factory.mktemp("ray-serve-app")
+    model = long_tiny_model(folder)
+    manifest = yaml.safe_load((REPO / "deploy/kubernetes/ray/rayservice.yaml").read_text())
+    config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    (app,) = config["applications"]
+    (folder / "api-key").write_text(AUTH["Authorization"].split()[1])
+    app["args"]["argv"] = shlex.join([
+        "--model", str(model), "--served-model-name", "tiny", *WORKER_FLAGS, *BY_HAND, "--num-cpus-per-worker",
+        "1", "--worker-host", "127.0.0.1", "--check-interval", "0.25", "--startup-timeout", "300",
+        "--api-key-file", str(folder / "api-key")])
+    port = free_port()
+    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    (folder / "serve.yaml").write_text(yaml.safe_dump(config))
+    log = folder / "serve-run.log"
+    cmd = [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", "--address",
+           ray_cluster.address, str(folder / "serve.yaml")]
+    with log.open("ab") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=f, env=ray_cluster.env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, timeout=300, path="/metrics", alive=lambda: proc.poll() is None)
+
+        def workers() -> list[dict]:
+            return httpx.get(url + "/admin/workers", headers=AUTH, timeout=10).json()["workers"]
+
+        t = time.monotonic()
+        while not (len(ws := workers()) == 2 and all(w["published"] for w in ws)):
+            assert time.monotonic() - t < 300 and proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.25)
+        assert len({w["node_id"] for w in ws}) == 2
+
+        async def run() -> tuple[list[list[str]], list[list[str]]]:
+            prompts = [f"serve app prompt {i}" for i in range(2)]
+            async with httpx.AsyncClient(base_url=ws[0]["url"], headers=AUTH, timeout=120) as direct:
+                want = [await _stream(direct, p, 24) for p in prompts]
+            async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as c:
+                got = await asyncio.wait_for(asyncio.gather(*(_stream(c, prompts[i % 2], 24) for i in range(6))), 300)
+            return want, got
+
+        want, got = asyncio.run(run())
+        for i, lines in enumerate(got):
+            assert _text(lines) == _text(want[i % 2]) and _choices(lines) == _choices(want[i % 2])
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=30)
+        assert r.status_code == 401, r.text
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # `serve run` shuts the application down: the workers stop
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

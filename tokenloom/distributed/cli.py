@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 
 from fastapi import FastAPI, Request, Response
@@ -123,11 +124,27 @@ def add_admin_routes(app: FastAPI, workers: RayWorkers, api_key: str | None) -> 
         return JSONResponse(workers.describe())
 
 
-def run_ray_serve(args: argparse.Namespace) -> int:
+# The Ray Serve application's (serve_app.py) argv may not hold these: Serve owns the HTTP port and Ray.
+SERVE_OWNED_FLAGS = ("--host", "--port", "--address")
+
+
+def parse_serve_app_argv(argv: list[str]) -> argparse.Namespace:
+    """`tokenloom ray-serve` flags, as the Serve application takes them (ConfigError where they are wrong)."""
+    from tokenloom.cli import build_parser  # tokenloom.cli imports this module
+
+    for a in argv:
+        if a.split("=", 1)[0] in SERVE_OWNED_FLAGS:
+            raise ConfigError(f"argv: {a.split('=', 1)[0]} is Ray Serve's to set (http_options, the cluster), "
+                              "not the application's")
     try:
-        import ray
-    except ImportError as e:
-        raise ConfigError(f"ray-serve needs Ray: pip install 'tokenloom[ray]' ({e})") from e
+        return build_parser().parse_args(["ray-serve", *argv])
+    except SystemExit as e:  # argparse has printed what is wrong
+        raise ConfigError(f"argv: not `tokenloom ray-serve` flags: {shlex.join(argv)}") from e
+
+
+def build_ray_router(args: argparse.Namespace) -> tuple[RayServeConfig, FastAPI, RayWorkers]:
+    """The router app over the supervised worker actors (not started: workers.start() once Ray is up).
+    Shared by the `ray-serve` driver below and the Ray Serve application (serve_app.py)."""
     args.api_key = read_secret(args.api_key, args.api_key_file, "api-key")
     api_key, args.api_key = args.api_key, None  # worker_argv would put it on the workers' command lines
     config = ray_serve_config(args)
@@ -136,7 +153,6 @@ def run_ray_serve(args: argparse.Namespace) -> int:
     router = router_config(args, [], [])
     logging.getLogger("tokenloom.router").setLevel(logging.INFO)
     logging.getLogger("tokenloom.distributed").setLevel(logging.INFO)
-    ray.init(address=config.address, logging_level=logging.WARNING, log_to_driver=args.worker_logs_to_driver)
     pool_box: list[WorkerPool] = []
 
     class _Routing:  # the router's pool, once the app made it
@@ -150,6 +166,16 @@ def run_ray_serve(args: argparse.Namespace) -> int:
     app = build_router_app(router, discovery=CallableDiscovery(workers.urls))
     pool_box.append(app.state.pool)
     add_admin_routes(app, workers, args.api_key)
+    return config, app, workers
+
+
+def run_ray_serve(args: argparse.Namespace) -> int:
+    try:
+        import ray
+    except ImportError as e:
+        raise ConfigError(f"ray-serve needs Ray: pip install 'tokenloom[ray]' ({e})") from e
+    config, app, workers = build_ray_router(args)
+    ray.init(address=config.address, logging_level=logging.WARNING, log_to_driver=args.worker_logs_to_driver)
     try:
         workers.start()
         workers.wait_ready(config.first_workers, config.startup_timeout)

@@ -127,6 +127,10 @@ class RayWorkers:
         self._thread = threading.Thread(target=self._run, name="tokenloom-ray-supervisor", daemon=True)
         self._thread.start()
 
+    def supervising(self) -> bool:
+        """The supervisor thread runs (started and not closed): what a health check of its host asks."""
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
     def wait_ready(self, n: int, timeout: float) -> None:
         """Block until `n` workers are published (TimeoutError after `timeout` s)."""
         deadline = time.monotonic() + timeout
@@ -254,7 +258,8 @@ class RayWorkers:
             self._published = ()
         stops = [m.actor.stop.remote(self.config.graceful_timeout) for m in members]
         try:
-            ray.wait(stops, num_returns=len(stops), timeout=self.config.graceful_timeout + 10.0)
+            if stops:  # none on a second close()
+                ray.wait(stops, num_returns=len(stops), timeout=self.config.graceful_timeout + 10.0)
         finally:
             for m in members:
                 ray.kill(m.actor, no_restart=True)
