@@ -3,7 +3,9 @@ router equal a direct worker's; kill -9 of a worker under load (started streams 
 unstarted requests succeed, none hangs) and Ray's replacement back in routing; scaling 2 -> 1 -> 2 -> 1 by
 the admin endpoint under continuous streaming load without losing a stream; and, on a second `ray-serve`
 with its autoscaler on, 1 -> 2 workers set off by the queue the workers' /metrics report under load and
-back to 1 as the load falls, the drained worker finishing its streams.
+back to 1 as the load falls, the drained worker finishing its streams; split prefill/decode over the two
+nodes (a prefill worker on one, a decode worker on the other) answering as one worker does; the KubeRay
+RayService's Serve application under `serve run` (where Ray Serve is installed).
 
 The time bounds below only turn a hang into a failure; the times measured are in docs/benchmarks.md.
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router_helpers import WORKER_FLAGS, long_tiny_model
+from router_helpers import WORKER_FLAGS, long_tiny_model, samples
 from tokenloom.netutil import free_port, wait_until_healthy
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (make test installs it: pyproject's test extras)")
@@ -385,3 +387,36 @@ def test_the_rayservice_application_under_serve_run(ray_cluster: LocalRayCluster
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_split_prefill_decode_across_the_two_nodes_equals_one_worker(
+        ray_cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory) -> None:
+    model = long_tiny_model(tmp_path_factory.mktemp("tiny-ray-split"))
+    s = RayServe(ray_cluster, model, tmp_path_factory.mktemp("ray-split") / "ray-serve.log",
+                 ("--min-workers", "1", "--prefill-workers", "1", "--autoscale-interval", "0"))
+    try:
+        s.wait()
+        s.wait_for("a decode and a prefill worker routed", lambda: len(s.routed()) == 1 and all(
+            w["healthy"] for w in httpx.get(s.url + "/health", timeout=10).json()["prefill_workers"]) and len(
+            httpx.get(s.url + "/health", timeout=10).json()["prefill_workers"]) == 1, 300)
+        described = s.workers()
+        (decode,), (prefill,) = described["workers"], described["prefill"]["workers"]
+        assert decode["node_id"] != prefill["node_id"]  # the KV blocks cross from one Ray node to the other
+        prompts = [f"a longer prompt for the split ray deployment, number {i}, " * 3 for i in range(3)]
+
+        async def run() -> tuple[list[list[str]], list[list[str]]]:
+            async with httpx.AsyncClient(base_url=s.url, headers=AUTH, timeout=120) as c:
+                got = await asyncio.wait_for(asyncio.gather(*(_stream(c, p, 24) for p in prompts)), 300)
+            # The oracle: one worker computing everything (the prefill worker serves whole requests too).
+            async with httpx.AsyncClient(base_url=prefill["url"], headers=AUTH, timeout=120) as one:
+                want = [await _stream(one, p, 24) for p in prompts]
+            return want, got
+
+        want, got = asyncio.run(run())
+        for w, g in zip(want, got):
+            assert _text(g) == _text(w) and _choices(g) == _choices(w)
+        m = samples(httpx.get(s.url + "/metrics").text)
+        assert m[f"tokenloom:router_kv_prefills_total{{outcome=ok,worker={prefill['url']}}}"] == len(prompts)
+        assert m[f"tokenloom:router_kv_transfer_bytes_total{{worker={prefill['url']}}}"] > 0
+    finally:
+        s.stop()

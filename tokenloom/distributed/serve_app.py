@@ -21,7 +21,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from tokenloom.distributed.cli import build_ray_router, parse_serve_app_argv
+from tokenloom.distributed.cli import build_ray_router, parse_serve_app_argv, start_groups
 from tokenloom.errors import ConfigError
 
 # Requests Serve lets through to the one replica at once: every stream the router holds open counts, and
@@ -34,25 +34,24 @@ MAX_ONGOING_REQUESTS = 10_000
 class TokenloomRouter:
     def __init__(self, argv: list[str]) -> None:
         args = parse_serve_app_argv(argv)
-        self.config, self.router_app, self.workers = build_ray_router(args)
-        self.workers.start()
+        self.config, self.router_app, self.groups = build_ray_router(args)
         try:
-            self.workers.wait_ready(self.config.first_workers, self.config.startup_timeout)
+            start_groups(self.groups)
         except TimeoutError:
-            self.workers.close()
+            for g in self.groups:
+                g.close()
             raise
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.router_app
 
     def check_health(self) -> None:
-        if not self.workers.supervising():
-            raise RuntimeError("tokenloom's worker supervisor is not running")
+        if not all(g.supervising() for g in self.groups):
+            raise RuntimeError("a tokenloom worker supervisor is not running")
 
     def __del__(self) -> None:  # Serve's replica shutdown: the workers drain and stop with it
-        workers = getattr(self, "workers", None)
-        if workers is not None:
-            workers.close()
+        for g in getattr(self, "groups", []):
+            g.close()
 
 
 def build(args: dict[str, str]) -> Application:

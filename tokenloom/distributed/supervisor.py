@@ -58,8 +58,11 @@ class Member:
 
 class RayWorkers:
     def __init__(self, config: RayServeConfig, routing: RoutingView, api_key: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, role: str = "both", kv_secret: str | None = None) -> None:
+        """`role`: the workers' `serve --role` (one RayWorkers per role in a split prefill/decode deployment)."""
         self.config = config
+        self.role = role
+        self._kv_secret = kv_secret
         self._api_key = api_key  # the workers require it too (passed to each actor, never on a command line)
         self.routing = routing
         self.clock = clock
@@ -115,9 +118,9 @@ class RayWorkers:
                 max_concurrency=4,  # info() while a slow stop() runs
                 scheduling_strategy="SPREAD" if c.placement == "spread" else "DEFAULT")
         actor = self._actor_class.remote(list(self.config.serve_argv), self.config.worker_host,
-                                         self.config.check_timeout, self._api_key)
+                                         self.config.check_timeout, self._api_key, self.role, self._kv_secret)
         member = Member(actor, next(self._numbers), self.clock())
-        log.info("worker actor %d created", member.number)
+        log.info("%sworker actor %d created", "" if self.role == "both" else self.role + " ", member.number)
         return member
 
     def start(self) -> None:
