@@ -1,6 +1,7 @@
 """deploy/kubernetes/: every manifest of the kustomization (and the KubeRay one) validates against the
 Kubernetes schemas (kubernetes-validate, strict: no unknown fields); the custom resources it has no schema
-for (ServiceMonitor, PrometheusRule, RayJob) are checked field by field; the pieces fit together (selectors,
+for (ServiceMonitor, PrometheusRule, RayJob, RayService: no registry ships KubeRay's CRD schemas) are
+checked field by field, their embedded pod templates against the Kubernetes schemas; the pieces fit together (selectors,
 ports, names, the router's discovery name, the HPA's target); the containers' command lines parse with
 tokenloom's own CLI; the PrometheusRule holds deploy/alerts.yml's rules. No cluster: nothing is applied."""
 
@@ -21,7 +22,7 @@ DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 K8S = DEPLOY / "kubernetes"
 K8S_VERSION = "1.33.0"  # the oldest Kubernetes still supported upstream when these were written
 CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule"),
-        ("ray.io/v1", "RayJob")}
+        ("ray.io/v1", "RayJob"), ("ray.io/v1", "RayService")}
 
 
 def _docs(path: Path) -> list[dict[str, Any]]:
@@ -31,7 +32,7 @@ def _docs(path: Path) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def manifests() -> dict[tuple[str, str], dict[str, Any]]:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    files = [K8S / f for f in kustomization["resources"]] + [K8S / "ray" / "rayjob.yaml"]
+    files = [K8S / f for f in kustomization["resources"]] + [K8S / "ray" / "rayjob.yaml", K8S / "ray" / "rayservice.yaml"]
     out: dict[tuple[str, str], dict[str, Any]] = {}
     for f in files:
         for d in _docs(f):
@@ -130,6 +131,32 @@ def test_monitoring_custom_resources(manifests: dict[tuple[str, str], dict[str, 
     assert set(rule["spec"]) == {"groups"}
 
 
+def _check_ray_cluster(cluster: dict[str, Any], config: Any, serving_port: tuple[str, int]) -> dict[str, Any]:
+    """A KubeRay RayClusterSpec that can hold `config`'s workers; its head pod template (validated)."""
+    import json
+
+    import ray
+
+    assert set(cluster) <= {"rayVersion", "headGroupSpec", "workerGroupSpecs", "enableInTreeAutoscaling"}
+    assert cluster["rayVersion"] == ray.__version__  # the image's Ray (pyproject's pin) is the cluster's
+    head = cluster["headGroupSpec"]
+    assert set(head) <= {"rayStartParams", "template", "serviceType"}
+    assert head["rayStartParams"]["num-cpus"] == "0"  # no tokenloom worker on the head
+    (group,) = cluster["workerGroupSpecs"]
+    assert set(group) <= {"groupName", "replicas", "minReplicas", "maxReplicas", "rayStartParams", "template"}
+    node_resources = json.loads(json.loads(group["rayStartParams"]["resources"]))
+    assert config.resources.keys() <= node_resources.keys()
+    assert float(group["rayStartParams"]["num-cpus"]) >= config.num_cpus
+    assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"] >= config.autoscale.max_workers
+    for template in (head["template"], group["template"]):
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+                                      "template": template}, K8S_VERSION, strict=True)
+    head_ports = {p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
+    name, port = serving_port
+    assert head_ports[name] == port
+    return head
+
+
 def test_the_kuberay_job_runs_ray_serve(manifests: dict[tuple[str, str], dict[str, Any]]) -> None:
     job = manifests[("RayJob", "tokenloom")]
     spec = job["spec"]
@@ -139,24 +166,35 @@ def test_the_kuberay_job_runs_ray_serve(manifests: dict[tuple[str, str], dict[st
     args = _parse(argv[1:])
     from tokenloom.distributed.cli import ray_serve_config
 
-    config = ray_serve_config(args)
-    cluster = spec["rayClusterSpec"]
-    import ray
-
-    assert cluster["rayVersion"] == ray.__version__  # the image's Ray (pyproject's pin) is the cluster's
-    head = cluster["headGroupSpec"]
-    assert head["rayStartParams"]["num-cpus"] == "0"  # no tokenloom worker on the head
-    (group,) = cluster["workerGroupSpecs"]
-    import json
-
-    node_resources = json.loads(json.loads(group["rayStartParams"]["resources"]))
-    assert config.resources.keys() <= node_resources.keys()
-    assert float(group["rayStartParams"]["num-cpus"]) >= config.num_cpus
-    assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"] >= config.autoscale.max_workers
-    for template in (head["template"], group["template"]):
-        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
-                                      "template": template}, K8S_VERSION, strict=True)
-    head_ports = {p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
-    assert head_ports["http"] == args.port
+    head = _check_ray_cluster(spec["rayClusterSpec"], ray_serve_config(args), ("http", args.port))
     svc = manifests[("Service", "tokenloom-ray-router")]
     assert svc["spec"]["selector"].items() <= head["template"]["metadata"]["labels"].items()
+
+
+def test_the_kuberay_service_deploys_the_serve_application(manifests: dict[tuple[str, str], dict[str, Any]]) -> None:
+    import ast
+
+    from tokenloom.distributed.cli import parse_serve_app_argv, ray_serve_config
+    from tokenloom.errors import ConfigError
+
+    spec = manifests[("RayService", "tokenloom")]["spec"]
+    assert set(spec) <= {"serveConfigV2", "rayClusterConfig", "upgradeStrategy", "serveService",
+                         "excludeHeadPodFromServeSvc", "rayClusterDeletionDelaySeconds"}
+    assert isinstance(spec["serveConfigV2"], str)  # KubeRay takes Serve's config file as a string
+    serve_config = yaml.safe_load(spec["serveConfigV2"])
+    assert set(serve_config) == {"applications"}  # Serve's own HTTP default, port 8000: KubeRay's serve port
+    (app,) = serve_config["applications"]
+    assert set(app) == {"name", "route_prefix", "import_path", "args"} and app["route_prefix"] == "/"
+    module, attr = app["import_path"].split(":")
+    # The builder exists (read, not imported: Ray Serve is an extra the test run may not have).
+    source = (Path(__file__).resolve().parents[1] / (module.replace(".", "/") + ".py")).read_text()
+    assert attr in {n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)}
+    assert set(app["args"]) == {"argv"}
+    config = ray_serve_config(parse_serve_app_argv(shlex.split(app["args"]["argv"])))
+    assert config.autoscale.min_workers < config.autoscale.max_workers  # the autoscaler has room to act
+    _check_ray_cluster(spec["rayClusterConfig"], config, ("serve", 8000))
+    for owned in (["--port", "9000"], ["--host=0.0.0.0"], ["--address", "auto"]):  # Serve's, not argv's
+        with pytest.raises(ConfigError, match="Ray Serve's to set"):
+            parse_serve_app_argv(["--model", "/m.gguf", *owned])
+    with pytest.raises(ConfigError, match="not `tokenloom ray-serve` flags"):
+        parse_serve_app_argv(["--model", "/m.gguf", "--no-such-flag"])

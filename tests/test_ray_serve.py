@@ -1,7 +1,11 @@
 """`tokenloom ray-serve` on a real two-node Ray cluster on this machine (tiny model): streams through the
 router equal a direct worker's; kill -9 of a worker under load (started streams end with an error event,
 unstarted requests succeed, none hangs) and Ray's replacement back in routing; scaling 2 -> 1 -> 2 -> 1 by
-the admin endpoint under continuous streaming load without losing a stream.
+the admin endpoint under continuous streaming load without losing a stream; and, on a second `ray-serve`
+with its autoscaler on, 1 -> 2 workers set off by the queue the workers' /metrics report under load and
+back to 1 as the load falls, the drained worker finishing its streams; split prefill/decode over the two
+nodes (a prefill worker on one, a decode worker on the other) answering as one worker does; the KubeRay
+RayService's Serve application under `serve run` (where Ray Serve is installed).
 
 The time bounds below only turn a hang into a failure; the times measured are in docs/benchmarks.md.
 """
@@ -22,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router_helpers import WORKER_FLAGS, long_tiny_model
+from router_helpers import WORKER_FLAGS, long_tiny_model, samples
 from tokenloom.netutil import free_port, wait_until_healthy
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (make test installs it: pyproject's test extras)")
@@ -52,8 +56,16 @@ def ray_cluster() -> Iterator[LocalRayCluster]:
         cluster.stop()
 
 
+# The `served` deployment's scaling: two workers, changed only by POST /admin/workers.
+BY_HAND = ("--min-workers", "1", "--max-workers", "2", "--initial-workers", "2", "--autoscale-interval", "0")
+_RUNNING: list[RayServe] = []  # the cluster's two CPUs hold one deployment's two workers at a time
+
+
 class RayServe:
-    def __init__(self, cluster: LocalRayCluster, model: Path, log: Path) -> None:
+    def __init__(self, cluster: LocalRayCluster, model: Path, log: Path, scaling: tuple[str, ...] = BY_HAND,
+                 worker_flags: tuple[str, ...] = ()) -> None:
+        for other in _RUNNING:
+            other.stop()
         key_file = log.with_name("api-key")
         key_file.write_text(AUTH["Authorization"].split()[1])
         self.port = free_port()
@@ -61,13 +73,13 @@ class RayServe:
         self.log = log
         cmd = [sys.executable, "-m", "tokenloom.cli", "ray-serve", "--address", cluster.address, "--port",
                str(self.port), "--model", str(model), "--served-model-name", "tiny", *WORKER_FLAGS,
-               "--min-workers", "1", "--max-workers", "2", "--initial-workers", "2", "--autoscale-interval", "0",
-               "--num-cpus-per-worker", "1", "--placement", "spread", "--check-interval", "0.25",
+               *worker_flags, *scaling, "--num-cpus-per-worker", "1", "--placement", "spread", "--check-interval", "0.25",
                "--worker-host", "127.0.0.1",  # every "node" is this machine: the workers stay on loopback
                "--health-interval", "0.25", "--graceful-timeout", "20", "--startup-timeout", "300",
                "--api-key-file", str(key_file), "--worker-logs-to-driver"]  # the workers' logs in this log too
         with log.open("ab") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=f, env=cluster.env, start_new_session=True)
+        _RUNNING.append(self)
 
     def wait(self) -> None:
         try:
@@ -262,3 +274,149 @@ def test_scale_down_and_up_under_load_loses_no_stream(served: RayServe) -> None:
     for lines in results:  # every stream ran to its end: none broken by a drain
         assert not any('"error"' in x for x in lines)
         _text(lines)
+
+
+# The second deployment: one worker to start, its autoscaler on, every half second. A worker runs two
+# sequences at most, so six streams leave four waiting (up after two checks at a mean of one or more
+# waiting); two streams over two workers fit on one at two sequences each (down after four such checks).
+AUTOSCALED = ("--min-workers", "1", "--max-workers", "2", "--initial-workers", "1", "--autoscale-interval", "0.5",
+              "--scale-up-waiting", "1", "--scale-up-after", "2", "--scale-down-running", "2",
+              "--scale-down-after", "4")
+
+
+def test_load_scales_1_to_2_and_back_without_losing_a_stream(ray_cluster: LocalRayCluster,
+                                                             tmp_path_factory: pytest.TempPathFactory) -> None:
+    model = long_tiny_model(tmp_path_factory.mktemp("tiny-ray-autoscale"))
+    s = RayServe(ray_cluster, model, tmp_path_factory.mktemp("ray-autoscale") / "ray-serve.log", AUTOSCALED,
+                 ("--max-num-seqs", "2"))
+    light: Load | None = None
+    heavy: Load | None = None
+    try:
+        s.wait()
+        s.wait_for("one worker routed", lambda: len(s.published()) == 1 and len(s.routed()) == 1, 300)
+        assert s.workers()["autoscaled"] == {"up": 0, "down": 0} and s.workers()["target"] == 1
+        light = Load(s.url, clients=2, max_tokens=200)
+        heavy = Load(s.url, clients=4, max_tokens=200)
+        # Nothing but the measured queue asks for the second worker (no POST /admin/workers here).
+        s.wait_for("a second worker, added on the queue, routed",
+                   lambda: len(s.published()) == 2 and len(s.routed()) == 2, 300)
+        assert s.workers()["autoscaled"] == {"up": 1, "down": 0}
+        new_url = next(w["url"] for w in s.published() if w["number"] == 1)
+        s.wait_for("the new worker serving", lambda: f'worker="{new_url}"' in httpx.get(s.url + "/metrics").text, 120)
+        heavy_results = heavy.stop()  # the queue drains; the two light streams stay in flight
+        heavy = None
+        s.wait_for("back to one worker, the drained one stopped",
+                   lambda: len(s.workers()["workers"]) == 1 and len(s.routed()) == 1)
+        described = s.workers()
+        assert described["autoscaled"] == {"up": 1, "down": 1} and described["target"] == 1
+        done = len(light.results)
+        s.wait_for("streams going on on one worker", lambda: len(light.results) >= done + 2, 120)
+        light_results = light.stop()
+        light = None
+    finally:
+        for load in (light, heavy):
+            if load is not None:
+                load.stop()
+        s.stop()
+    assert heavy_results and len(light_results) >= 4
+    for lines in heavy_results + light_results:  # every stream ran to its end: none lost to a drain
+        assert not any('"error"' in x for x in lines)
+        _text(lines)
+
+
+def test_the_rayservice_application_under_serve_run(ray_cluster: LocalRayCluster,
+                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    """deploy/kubernetes/ray/rayservice.yaml's serveConfigV2, its argv swapped for the tiny model's, under
+    `serve run` on the two nodes: Serve's proxy streams the router's completions, equal to a direct worker's."""
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'tokenloom[kuberay]')")
+    import shlex
+
+    import yaml
+
+    for other in _RUNNING:
+        other.stop()
+    folder = tmp_path_factory.mktemp("ray-serve-app")
+    model = long_tiny_model(folder)
+    manifest = yaml.safe_load((REPO / "deploy/kubernetes/ray/rayservice.yaml").read_text())
+    config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    (app,) = config["applications"]
+    (folder / "api-key").write_text(AUTH["Authorization"].split()[1])
+    app["args"]["argv"] = shlex.join([
+        "--model", str(model), "--served-model-name", "tiny", *WORKER_FLAGS, *BY_HAND, "--num-cpus-per-worker",
+        "1", "--worker-host", "127.0.0.1", "--check-interval", "0.25", "--startup-timeout", "300",
+        "--api-key-file", str(folder / "api-key")])
+    port = free_port()
+    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    (folder / "serve.yaml").write_text(yaml.safe_dump(config))
+    log = folder / "serve-run.log"
+    cmd = [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", "--address",
+           ray_cluster.address, str(folder / "serve.yaml")]
+    with log.open("ab") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=f, env=ray_cluster.env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, timeout=300, path="/metrics", alive=lambda: proc.poll() is None)
+
+        def workers() -> list[dict]:
+            return httpx.get(url + "/admin/workers", headers=AUTH, timeout=10).json()["workers"]
+
+        t = time.monotonic()
+        while not (len(ws := workers()) == 2 and all(w["published"] for w in ws)):
+            assert time.monotonic() - t < 300 and proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.25)
+        assert len({w["node_id"] for w in ws}) == 2
+
+        async def run() -> tuple[list[list[str]], list[list[str]]]:
+            prompts = [f"serve app prompt {i}" for i in range(2)]
+            async with httpx.AsyncClient(base_url=ws[0]["url"], headers=AUTH, timeout=120) as direct:
+                want = [await _stream(direct, p, 24) for p in prompts]
+            async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as c:
+                got = await asyncio.wait_for(asyncio.gather(*(_stream(c, prompts[i % 2], 24) for i in range(6))), 300)
+            return want, got
+
+        want, got = asyncio.run(run())
+        for i, lines in enumerate(got):
+            assert _text(lines) == _text(want[i % 2]) and _choices(lines) == _choices(want[i % 2])
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=30)
+        assert r.status_code == 401, r.text
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # `serve run` shuts the application down: the workers stop
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def test_split_prefill_decode_across_the_two_nodes_equals_one_worker(
+        ray_cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory) -> None:
+    model = long_tiny_model(tmp_path_factory.mktemp("tiny-ray-split"))
+    s = RayServe(ray_cluster, model, tmp_path_factory.mktemp("ray-split") / "ray-serve.log",
+                 ("--min-workers", "1", "--prefill-workers", "1", "--autoscale-interval", "0"))
+    try:
+        s.wait()
+        s.wait_for("a decode and a prefill worker routed", lambda: len(s.routed()) == 1 and all(
+            w["healthy"] for w in httpx.get(s.url + "/health", timeout=10).json()["prefill_workers"]) and len(
+            httpx.get(s.url + "/health", timeout=10).json()["prefill_workers"]) == 1, 300)
+        described = s.workers()
+        (decode,), (prefill,) = described["workers"], described["prefill"]["workers"]
+        assert decode["node_id"] != prefill["node_id"]  # the KV blocks cross from one Ray node to the other
+        prompts = [f"a longer prompt for the split ray deployment, number {i}, " * 3 for i in range(3)]
+
+        async def run() -> tuple[list[list[str]], list[list[str]]]:
+            async with httpx.AsyncClient(base_url=s.url, headers=AUTH, timeout=120) as c:
+                got = await asyncio.wait_for(asyncio.gather(*(_stream(c, p, 24) for p in prompts)), 300)
+            # The oracle: one worker computing everything (the prefill worker serves whole requests too).
+            async with httpx.AsyncClient(base_url=prefill["url"], headers=AUTH, timeout=120) as one:
+                want = [await _stream(one, p, 24) for p in prompts]
+            return want, got
+
+        want, got = asyncio.run(run())
+        for w, g in zip(want, got):
+            assert _text(g) == _text(w) and _choices(g) == _choices(w)
+        m = samples(httpx.get(s.url + "/metrics").text)
+        assert m[f"tokenloom:router_kv_prefills_total{{outcome=ok,worker={prefill['url']}}}"] == len(prompts)
+        assert m[f"tokenloom:router_kv_transfer_bytes_total{{worker={prefill['url']}}}"] > 0
+    finally:
+        s.stop()

@@ -186,6 +186,12 @@ def test_ray_serve_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="must be >= 0"):
         RayServeConfig(serve_argv=(), autoscale=ok, num_gpus=-1)
     assert RayServeConfig(serve_argv=(), autoscale=ok).first_workers == 1
+    with pytest.raises(ConfigError, match="--prefill-workers must be >= 0"):
+        RayServeConfig(serve_argv=(), autoscale=ok, prefill_workers=-1)
+    # Split prefill/decode: a fixed group of prefill workers beside the autoscaled decode workers.
+    prefill = RayServeConfig(serve_argv=("--x",), autoscale=ok, initial_workers=2, prefill_workers=3).prefill_group()
+    assert (prefill.autoscale.min_workers, prefill.autoscale.max_workers, prefill.autoscale.interval) == (3, 3, 0.0)
+    assert prefill.first_workers == 3 and prefill.prefill_workers == 0 and prefill.serve_argv == ("--x",)
 
 
 def test_bad_flags_fail_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:

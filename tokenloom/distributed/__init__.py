@@ -7,4 +7,5 @@ supervisor.py the set of actors: publishes the ready ones to the router, replace
 autoscale.py  how many workers the measured load asks for (pure: no Ray, no I/O)
 local.py      a Ray cluster of several nodes on this machine (tests, benchmarks)
 cli.py        the `tokenloom ray-serve` command
+serve_app.py  the same router and supervisor as a Ray Serve application (`serve run`, KubeRay's RayService)
 """

@@ -44,7 +44,9 @@ class ServeWorker:
     """One `tokenloom serve --host H --port P <serve_argv>` child, on this actor's node."""
 
     def __init__(self, serve_argv: list[str], bind_host: str | None, health_timeout: float,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, role: str = "both", kv_secret: str | None = None) -> None:
+        """`role`: `serve --role` (split prefill/decode: a decode worker's KV receiver binds the address
+        other nodes reach it at); `kv_secret` signs the KV transfers between them (through a private file)."""
         import ray  # in the actor process: Ray is there, as it made it
 
         node_ip = ray.util.get_node_ip_address()
@@ -59,6 +61,10 @@ class ServeWorker:
         # The API key reaches the server through a private file on this node, not its command line.
         self._secrets = SecretFiles()
         key = ["--api-key-file", self._secrets.write("api-key", api_key)] if api_key is not None else []
+        if role != "both":
+            key += ["--role", role, *(["--kv-host", advertised] if role == "decode" else [])]
+        if kv_secret is not None:
+            key += ["--kv-secret-file", self._secrets.write("kv-secret", kv_secret)]
         self._cmd = [sys.executable, "-m", "tokenloom.cli", "serve", "--host", self.bind_host, "--port",
                      str(self.port), *serve_argv, *key]
         self._started = threading.Event()

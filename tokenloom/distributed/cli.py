@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import secrets
+import shlex
 import sys
 
 from fastapi import FastAPI, Request, Response
@@ -45,6 +47,10 @@ def add_ray_serve_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
     p.add_argument("--num-gpus-per-worker", type=float, default=0.0, help="Ray GPUs each worker holds")
     p.add_argument("--worker-resources", default="{}", metavar="JSON",
                    help='custom Ray resources each worker holds, e.g. \'{"inference": 1}\'')
+    p.add_argument("--prefill-workers", type=int, default=0,
+                   help="split prefill/decode: also this many `serve --role prefill` workers (not autoscaled); "
+                        "the others then run --role decode. KV transfers are signed with --api-key, else a "
+                        "random secret")
     p.add_argument("--placement", default="spread", choices=PLACEMENTS,
                    help="spread: workers on different nodes where possible; pack: Ray's default placement")
     p.add_argument("--worker-host", default=None,
@@ -91,10 +97,10 @@ def ray_serve_config(args: argparse.Namespace) -> RayServeConfig:
         initial_workers=args.initial_workers, num_cpus=args.num_cpus_per_worker, num_gpus=args.num_gpus_per_worker,
         resources={str(k): float(v) for k, v in resources.items()}, placement=args.placement,
         worker_host=args.worker_host, startup_timeout=args.startup_timeout, check_interval=args.check_interval,
-        drain_timeout=args.drain_timeout, graceful_timeout=args.graceful_timeout)
+        drain_timeout=args.drain_timeout, graceful_timeout=args.graceful_timeout, prefill_workers=args.prefill_workers)
 
 
-def add_admin_routes(app: FastAPI, workers: RayWorkers, api_key: str | None) -> None:
+def add_admin_routes(app: FastAPI, workers: RayWorkers, prefill: RayWorkers | None, api_key: str | None) -> None:
     import hmac
 
     def denied(request: Request) -> Response | None:
@@ -105,7 +111,7 @@ def add_admin_routes(app: FastAPI, workers: RayWorkers, api_key: str | None) -> 
 
     @app.get("/admin/workers")
     async def list_workers(request: Request) -> Response:
-        return denied(request) or JSONResponse(workers.describe())
+        return denied(request) or JSONResponse(_described(workers, prefill))
 
     @app.post("/admin/workers")
     async def scale(request: Request) -> Response:
@@ -120,14 +126,35 @@ def add_admin_routes(app: FastAPI, workers: RayWorkers, api_key: str | None) -> 
         except (InvalidRequest, json.JSONDecodeError) as e:
             err = e if isinstance(e, InvalidRequest) else InvalidRequest(f"body is not JSON: {e}")
             return error_reply(request.url.path, err)
-        return JSONResponse(workers.describe())
+        return JSONResponse(_described(workers, prefill))
 
 
-def run_ray_serve(args: argparse.Namespace) -> int:
+def _described(workers: RayWorkers, prefill: RayWorkers | None) -> dict[str, object]:
+    return workers.describe() | ({"prefill": prefill.describe()} if prefill is not None else {})
+
+
+# The Ray Serve application's (serve_app.py) argv may not hold these: Serve owns the HTTP port and Ray.
+SERVE_OWNED_FLAGS = ("--host", "--port", "--address")
+
+
+def parse_serve_app_argv(argv: list[str]) -> argparse.Namespace:
+    """`tokenloom ray-serve` flags, as the Serve application takes them (ConfigError where they are wrong)."""
+    from tokenloom.cli import build_parser  # tokenloom.cli imports this module
+
+    for a in argv:
+        if a.split("=", 1)[0] in SERVE_OWNED_FLAGS:
+            raise ConfigError(f"argv: {a.split('=', 1)[0]} is Ray Serve's to set (http_options, the cluster), "
+                              "not the application's")
     try:
-        import ray
-    except ImportError as e:
-        raise ConfigError(f"ray-serve needs Ray: pip install 'tokenloom[ray]' ({e})") from e
+        return build_parser().parse_args(["ray-serve", *argv])
+    except SystemExit as e:  # argparse has printed what is wrong
+        raise ConfigError(f"argv: not `tokenloom ray-serve` flags: {shlex.join(argv)}") from e
+
+
+def build_ray_router(args: argparse.Namespace) -> tuple[RayServeConfig, FastAPI, list[RayWorkers]]:
+    """The router app over the supervised worker actors: the (decode) workers, then the prefill workers
+    where --prefill-workers asks for them (not started: each .start() once Ray is up). Shared by the
+    `ray-serve` driver below and the Ray Serve application (serve_app.py)."""
     args.api_key = read_secret(args.api_key, args.api_key_file, "api-key")
     api_key, args.api_key = args.api_key, None  # worker_argv would put it on the workers' command lines
     config = ray_serve_config(args)
@@ -136,27 +163,56 @@ def run_ray_serve(args: argparse.Namespace) -> int:
     router = router_config(args, [], [])
     logging.getLogger("tokenloom.router").setLevel(logging.INFO)
     logging.getLogger("tokenloom.distributed").setLevel(logging.INFO)
-    ray.init(address=config.address, logging_level=logging.WARNING, log_to_driver=args.worker_logs_to_driver)
-    pool_box: list[WorkerPool] = []
+    pools: dict[str, WorkerPool] = {}
 
-    class _Routing:  # the router's pool, once the app made it
+    class _Routing:  # one of the router's pools, once the app made it
+        def __init__(self, name: str) -> None:
+            self.name = name
+
         def routes_to(self, url: str) -> bool:
-            return pool_box[0].routes_to(url)
+            return pools[self.name].routes_to(url)
 
         def outstanding_of(self, url: str) -> int:
-            return pool_box[0].outstanding_of(url)
+            return pools[self.name].outstanding_of(url)
 
-    workers = RayWorkers(config, _Routing(), api_key)
-    app = build_router_app(router, discovery=CallableDiscovery(workers.urls))
-    pool_box.append(app.state.pool)
-    add_admin_routes(app, workers, args.api_key)
+    if config.prefill_workers:
+        # Every KV transfer is signed: with the API key (the workers' default), else a fresh secret.
+        kv_secret = None if api_key is not None else secrets.token_hex(32)
+        workers = RayWorkers(config, _Routing("pool"), api_key, role="decode", kv_secret=kv_secret)
+        prefill: RayWorkers | None = RayWorkers(config.prefill_group(), _Routing("prefill_pool"), api_key,
+                                                role="prefill", kv_secret=kv_secret)
+    else:
+        workers, prefill = RayWorkers(config, _Routing("pool"), api_key), None
+    app = build_router_app(router, discovery=CallableDiscovery(workers.urls),
+                           prefill_discovery=CallableDiscovery(prefill.urls) if prefill is not None else None)
+    pools.update(pool=app.state.pool, prefill_pool=app.state.prefill_pool)
+    add_admin_routes(app, workers, prefill, args.api_key)
+    return config, app, [workers] + ([prefill] if prefill is not None else [])
+
+
+def run_ray_serve(args: argparse.Namespace) -> int:
     try:
-        workers.start()
-        workers.wait_ready(config.first_workers, config.startup_timeout)
-        print(f"tokenloom ray-serve: router on http://{args.host}:{args.port} -> {', '.join(workers.urls())}",
-              file=sys.stderr, flush=True)
+        import ray
+    except ImportError as e:
+        raise ConfigError(f"ray-serve needs Ray: pip install 'tokenloom[ray]' ({e})") from e
+    config, app, groups = build_ray_router(args)
+    ray.init(address=config.address, logging_level=logging.WARNING, log_to_driver=args.worker_logs_to_driver)
+    try:
+        start_groups(groups)
+        split = f" (prefill: {', '.join(groups[1].urls())})" if len(groups) > 1 else ""
+        print(f"tokenloom ray-serve: router on http://{args.host}:{args.port} -> {', '.join(groups[0].urls())}"
+              f"{split}", file=sys.stderr, flush=True)
         run_app(app, args.host, args.port, args.graceful_timeout, args.verbose)
     finally:
-        workers.close()
+        for g in groups:
+            g.close()
         ray.shutdown()
     return 0
+
+
+def start_groups(groups: list[RayWorkers]) -> None:
+    """Start every group's workers and wait until each has its first ones ready (all of them together)."""
+    for g in groups:
+        g.start()
+    for g in groups:
+        g.wait_ready(g.config.first_workers, g.config.startup_timeout)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 from tokenloom.errors import ConfigError
@@ -59,6 +59,9 @@ class RayServeConfig:
     check_timeout: float = 5.0  # seconds an actor gets to answer; silence: out of routing until it does
     drain_timeout: float = 600.0  # seconds a worker being scaled down gets for its in-flight requests
     graceful_timeout: float = 30.0  # the worker's own drain after SIGTERM (its --graceful-timeout)
+    # Split prefill/decode: this many `serve --role prefill` workers too (a fixed number); the autoscaled
+    # workers above then run `--role decode`. 0: every worker does both.
+    prefill_workers: int = 0
 
     def __post_init__(self) -> None:
         a = self.autoscale
@@ -66,6 +69,8 @@ class RayServeConfig:
         if not a.min_workers <= n <= a.max_workers:
             raise ConfigError(f"--initial-workers {n}: must be within --min-workers {a.min_workers} .. "
                               f"--max-workers {a.max_workers}")
+        if self.prefill_workers < 0:
+            raise ConfigError(f"--prefill-workers must be >= 0 (got {self.prefill_workers})")
         if self.num_cpus < 0 or self.num_gpus < 0 or any(v < 0 for v in self.resources.values()):
             raise ConfigError("--num-cpus-per-worker, --num-gpus-per-worker and --worker-resources must be >= 0")
         if self.placement not in PLACEMENTS:
@@ -73,6 +78,12 @@ class RayServeConfig:
         for name in ("startup_timeout", "check_interval", "check_timeout", "drain_timeout", "graceful_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")
+
+    def prefill_group(self) -> RayServeConfig:
+        """The prefill workers' settings: the same workers, `prefill_workers` of them, never autoscaled."""
+        n = self.prefill_workers
+        return replace(self, autoscale=AutoscaleConfig(min_workers=n, max_workers=n, interval=0.0),
+                       initial_workers=None, prefill_workers=0)
 
     @property
     def first_workers(self) -> int:

@@ -58,8 +58,11 @@ class Member:
 
 class RayWorkers:
     def __init__(self, config: RayServeConfig, routing: RoutingView, api_key: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, role: str = "both", kv_secret: str | None = None) -> None:
+        """`role`: the workers' `serve --role` (one RayWorkers per role in a split prefill/decode deployment)."""
         self.config = config
+        self.role = role
+        self._kv_secret = kv_secret
         self._api_key = api_key  # the workers require it too (passed to each actor, never on a command line)
         self.routing = routing
         self.clock = clock
@@ -67,6 +70,7 @@ class RayWorkers:
         self.target = config.first_workers
         self.members: list[Member] = []
         self.replaced = 0  # actors killed and created anew for answering nothing (Ray's own restarts not counted)
+        self.scaled = {"up": 0, "down": 0}  # the autoscaler's decisions (set_target's by hand not counted)
         self._numbers = itertools.count()
         self._published: tuple[str, ...] = ()
         self._lock = threading.Lock()  # members and target, between the supervisor thread and the HTTP API
@@ -93,7 +97,7 @@ class RayWorkers:
     def describe(self) -> dict[str, object]:
         now = self.clock()
         with self._lock:
-            return {"target": self.target, "replaced": self.replaced, "workers": [
+            return {"target": self.target, "replaced": self.replaced, "autoscaled": dict(self.scaled), "workers": [
                 {"number": m.number, "url": m.info.url if m.info else None, "pid": m.info.pid if m.info else None,
                  "actor_pid": m.info.actor_pid if m.info else None, "node_id": m.info.node_id if m.info else None,
                  "ready": bool(m.info and m.info.ready), "draining": m.draining_since is not None,
@@ -114,9 +118,9 @@ class RayWorkers:
                 max_concurrency=4,  # info() while a slow stop() runs
                 scheduling_strategy="SPREAD" if c.placement == "spread" else "DEFAULT")
         actor = self._actor_class.remote(list(self.config.serve_argv), self.config.worker_host,
-                                         self.config.check_timeout, self._api_key)
+                                         self.config.check_timeout, self._api_key, self.role, self._kv_secret)
         member = Member(actor, next(self._numbers), self.clock())
-        log.info("worker actor %d created", member.number)
+        log.info("%sworker actor %d created", "" if self.role == "both" else self.role + " ", member.number)
         return member
 
     def start(self) -> None:
@@ -125,6 +129,10 @@ class RayWorkers:
             self.members = [self._create() for _ in range(self.target)]
         self._thread = threading.Thread(target=self._run, name="tokenloom-ray-supervisor", daemon=True)
         self._thread.start()
+
+    def supervising(self) -> bool:
+        """The supervisor thread runs (started and not closed): what a health check of its host asks."""
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
     def wait_ready(self, n: int, timeout: float) -> None:
         """Block until `n` workers are published (TimeoutError after `timeout` s)."""
@@ -238,6 +246,7 @@ class RayWorkers:
             if want != self.target:
                 log.info("autoscale: %d -> %d workers (waiting %s, running %s, kv %s)", self.target, want,
                          [x.waiting for x in loads], [x.running for x in loads], [x.kv_usage for x in loads])
+                self.scaled["up" if want > self.target else "down"] += 1
                 self.target = want
 
     def close(self) -> None:
@@ -252,7 +261,8 @@ class RayWorkers:
             self._published = ()
         stops = [m.actor.stop.remote(self.config.graceful_timeout) for m in members]
         try:
-            ray.wait(stops, num_returns=len(stops), timeout=self.config.graceful_timeout + 10.0)
+            if stops:  # none on a second close()
+                ray.wait(stops, num_returns=len(stops), timeout=self.config.graceful_timeout + 10.0)
         finally:
             for m in members:
                 ray.kill(m.actor, no_restart=True)

@@ -32,9 +32,10 @@ PROXIED_ROUTES: tuple[tuple[str, str], ...] = (
 
 
 def build_router_app(config: RouterConfig, metrics: RouterMetrics | None = None,
-                     discovery: Discovery | None = None) -> FastAPI:
+                     discovery: Discovery | None = None, prefill_discovery: Discovery | None = None) -> FastAPI:
     """`discovery`: where the (decode) workers come from at run time; default: config.worker_discovery,
-    else the fixed config.workers."""
+    else the fixed config.workers. `prefill_discovery`: the same for the prefill workers (split
+    prefill/decode; default: the fixed config.prefill_workers)."""
     metrics = metrics or RouterMetrics()
     if discovery is None and config.worker_discovery is not None:
         discovery = parse_discovery(config.worker_discovery)
@@ -53,17 +54,17 @@ def build_router_app(config: RouterConfig, metrics: RouterMetrics | None = None,
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             prefill = (PrefillStage(prefill_pool, client, metrics, config.kv_transfer_timeout, make_policy(config))
-                       if prefill_pool.workers else None)
+                       if prefill_pool.workers or prefill_discovery is not None else None)
             app.state.proxy = Proxy(config, pool, policy, metrics, client, prefill)
             pools = (pool, prefill_pool)
-            if discovery is not None:
-                await refresh(pool, discovery, client, config.health_timeout)
+            followed = [(p, d) for p, d in ((pool, discovery), (prefill_pool, prefill_discovery)) if d is not None]
+            for p, d in followed:
+                await refresh(p, d, client, config.health_timeout)
             await asyncio.gather(*(p.check_all(client, config.health_timeout) for p in pools))
             checks = [asyncio.create_task(p.run_health_checks(client, config.health_interval, config.health_timeout))
                       for p in pools]
-            if discovery is not None:
-                checks.append(asyncio.create_task(
-                    follow(pool, discovery, client, config.discovery_interval, config.health_timeout)))
+            checks += [asyncio.create_task(follow(p, d, client, config.discovery_interval, config.health_timeout))
+                       for p, d in followed]
             try:
                 yield
             finally:
@@ -103,7 +104,7 @@ def build_router_app(config: RouterConfig, metrics: RouterMetrics | None = None,
 
         ok = any(w.healthy for w in pool.workers)  # prefill workers only speed things up
         body: dict[str, object] = {"status": "ok" if ok else "no healthy worker", "workers": listed(pool)}
-        if prefill_pool.workers:
+        if prefill_pool.workers or prefill_discovery is not None:
             body["prefill_workers"] = listed(prefill_pool)
         return JSONResponse(body, status_code=200 if ok else 503)
 
