@@ -175,7 +175,8 @@ class LiveServer:
                         tool_parser=tool_parser, reasoning_parser=reasoning_parser)
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                    loop="asyncio", http="h11"))  # as serve/server.py
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
         wait_until_healthy(self.url, timeout=30)

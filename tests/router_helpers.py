@@ -75,7 +75,8 @@ class ThreadServer:
         self.app = app
         self.port = port or free_port()
         self.url = f"http://{host}:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning",
+                                                    loop="asyncio", http="h11"))  # as serve/server.py
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
         wait_until_healthy(self.url, timeout=30, path=ready_path)

@@ -139,14 +139,14 @@ SERVE_OWNED_FLAGS = ("--host", "--port", "--address")
 
 def parse_serve_app_argv(argv: list[str]) -> argparse.Namespace:
     """`tokenloom ray-serve` flags, as the Serve application takes them (ConfigError where they are wrong)."""
-    from tokenloom.cli import build_parser  # tokenloom.cli imports this module
-
     for a in argv:
         if a.split("=", 1)[0] in SERVE_OWNED_FLAGS:
             raise ConfigError(f"argv: {a.split('=', 1)[0]} is Ray Serve's to set (http_options, the cluster), "
                               "not the application's")
+    parser = argparse.ArgumentParser(prog="tokenloom")  # the ray-serve subcommand alone, as tokenloom.cli adds it
+    add_ray_serve_parser(parser.add_subparsers(dest="command", required=True))
     try:
-        return build_parser().parse_args(["ray-serve", *argv])
+        return parser.parse_args(["ray-serve", *argv])
     except SystemExit as e:  # argparse has printed what is wrong
         raise ConfigError(f"argv: not `tokenloom ray-serve` flags: {shlex.join(argv)}") from e
 

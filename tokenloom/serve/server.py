@@ -48,8 +48,10 @@ def build_server(app: FastAPI, host: str, port: int, graceful_timeout: float, ve
     """uvicorn for `app`; a worker app (one with `app.state.engine`) gets `_Server`'s clean stream ends."""
     engine = getattr(app.state, "engine", None)
     farewell = FAREWELL_S if engine is not None else 0.0
+    # loop/http named, not "auto": with uvloop or httptools installed (Ray Serve brings both) "auto" would
+    # switch the event loop policy of the whole process; the stdlib loop and h11 are what we test and ship.
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=graceful_timeout + farewell,
-                            log_level="info" if verbose else "warning")
+                            log_level="info" if verbose else "warning", loop="asyncio", http="h11")
     if engine is None:
         return uvicorn.Server(config)
     # shutdown() only queues the stop for the engine thread (join(0)): the event loop must not block.
