@@ -255,6 +255,14 @@ class Simulation:
         if worker.batch is None:
             self._kick(worker, now)
 
+    def _admit(self, worker: SimWorker, seq: Sequence, now: float) -> None:
+        """Enqueue after the per-request serving time; at once without one (so that a request arriving with
+        a step's end joins the next step, as it did before the term existed)."""
+        if self.admit_s > 0:
+            self._push(now + self.admit_s, _ENQUEUE, (worker, seq))
+        else:
+            self._submit(worker, seq, now)
+
     def _kick(self, worker: SimWorker, now: float) -> None:
         dt = worker.start_step()
         if dt is not None:
@@ -286,11 +294,11 @@ class Simulation:
                     decode_of[id(rec)] = dw
                     seq = self._sequence(rec, 1, "p")
                     owner[id(seq)] = (rec, True)
-                    self._push(now + self.admit_s, _ENQUEUE, (pw, seq))
+                    self._admit(pw, seq, now)
                 else:
                     seq = self._sequence(rec, rec.request.output_len, "r")
                     owner[id(seq)] = (rec, False)
-                    self._push(now + self.admit_s, _ENQUEUE, (dw, seq))
+                    self._admit(dw, seq, now)
             elif kind == _ENQUEUE:
                 target, seq = payload  # type: ignore[misc]
                 self._submit(target, seq, now)
