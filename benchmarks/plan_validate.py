@@ -3,20 +3,23 @@ same workloads with `tokenloom plan` from a profile taken in the same run, and c
 
     python benchmarks/plan_validate.py [--input-len 128] [--output-len 64] [--num-prompts 40]
                                        [--setups single,cluster-2,split-1P1D] [--rates R1,R2,...]
-                                       [--calibration-prompts 16] [--out results/plan_validate]
+                                       [--calibration-prompts 16] [--calibration-rate 0.4]
+                                       [--out results/plan_validate]
 
-About 25 minutes on the 2-core machine with the defaults (profile ~2 min; per set-up: start, calibration
-at concurrency 1, five Poisson rates of 40 requests, stop). Keep the machine otherwise quiet.
+About 25 minutes on the 2-core machine with the defaults (profile ~2 min; per set-up: start, ~1 min of
+calibration, five Poisson rates of 40 requests, stop). Keep the machine otherwise quiet.
 1. `tokenloom plan profile` of the embedded model with --num-threads 1 (the engine flags every server
    below gets, so two workers share the two cores the same way as one worker uses one).
 2. For each set-up in turn (one server start each): one `tokenloom serve`; a 2-worker `tokenloom
    cluster`; a 1 prefill + 1 decode `tokenloom cluster --prefill-workers 1`:
-   a. calibration runs, which are never judged: the single server at concurrency 1 and 8, a cluster at
-      concurrency 1 (--calibration-prompts requests each). `plan calibrate` then fits, with everything
-      measured so far: per step + per row and per request (TTFT at concurrency 1 less the simulated one)
-      from the single server; the router hop and per-token router cost from the 2-worker cluster; the
-      prefill -> decode handoff from the split cluster (see tokenloom/plan/calibrate.py). The split
-      set-up uses the router terms only if cluster-2 ran before it. The fit is printed.
+   a. calibration runs, which are never judged (--calibration-prompts requests each, each bench call
+      with its own seed, so that no judged prompt is in the server's prefix cache from them): every
+      set-up at concurrency 1 (or --calibration-load poisson: at --calibration-rate), and the single
+      server also at concurrency 8. `plan calibrate` then fits, with everything measured so far: per
+      step + per row and per request (light TTFT less the simulated one) from the single server; the
+      router hop and per-token router cost from the 2-worker cluster; the prefill -> decode handoff from
+      the split cluster (see tokenloom/plan/calibrate.py). The split set-up uses the router terms only if
+      cluster-2 ran before it. The fit is printed.
    b. the judged runs: `bench serve` at Poisson rates, by default 1/8, 1/4, 1/2, 1 and 2 x the knee the
       calibrated planner predicts for that fleet (a sweep of simulated rates), so that the real knee
       falls inside the sweep even where the prediction is off; or --rates for all.
@@ -56,7 +59,9 @@ SETUPS: dict[str, tuple[list[str], FleetConfig]] = {
     "split-1P1D": (["cluster", "--workers", "1", "--prefill-workers", "1"],
                    FleetConfig(workers=1, prefill_workers=1, link_bandwidth=1e9)),
 }
-CALIBRATION = {"single": "1,8", "cluster-2": "1", "split-1P1D": "1"}  # concurrency of each set-up's calibration
+
+# The single server's per-row fit also needs a loaded calibration point (concurrency 8).
+LOADED = {"single": ["--concurrency", "8"]}
 METRICS = ("ttft_s_median", "ttft_s_p99", "tpot_s_median", "tpot_s_p99")
 
 
@@ -83,10 +88,13 @@ def predicted_rates(prof: Profile, fleet: FleetConfig, a: argparse.Namespace) ->
     return [k / 8, k / 4, k / 2, k, k * 2]
 
 
-def bench(port: int, out: Path, load: list[str], a: argparse.Namespace) -> Path:
+def bench(port: int, out: Path, load: list[str], a: argparse.Namespace, seed: int) -> Path:
+    """One `bench serve` call. Prompts come from `seed`: runs on one server start need distinct seeds, or a
+    later run's prompts are prefix-cache hits of an earlier one's (the simulation's replayed prompts never
+    are), which cut a 128-token TTFT from ~130 to ~40 ms in a smoke run."""
     subprocess.run(tl("bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--dataset", "fixed",
                       "--input-len", str(a.input_len), "--output-len", str(a.output_len),
-                      *load, "--warmup", "2", "--seed", str(a.seed), "--knee-efficiency", str(a.knee_efficiency),
+                      *load, "--warmup", "2", "--seed", str(seed), "--knee-efficiency", str(a.knee_efficiency),
                       "--out", str(out)), check=True)
     return out
 
@@ -101,8 +109,13 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", timeout=900, alive=lambda: proc.poll() is None)
         if not a.no_calibrate:
-            calibrated[name] = [bench(port, a.out / f"calibration-{name}", ["--concurrency", CALIBRATION[name],
-                                      "--num-prompts", str(a.calibration_prompts)], a)]
+            n = ["--num-prompts", str(a.calibration_prompts)]
+            light = (["--concurrency", "1"] if a.calibration_load == "concurrency1"
+                     else ["--request-rate", f"{a.calibration_rate:g}"])
+            calibrated[name] = [bench(port, a.out / f"calibration-{name}", light + n, a, a.seed + 1000)]
+            if name in LOADED:
+                calibrated[name].append(bench(port, a.out / f"calibration-{name}-loaded", LOADED[name] + n, a,
+                                              a.seed + 2000))
             print(f"== calibrating with {', '.join(calibrated)}", flush=True)
             cluster = (calibrated["cluster-2"], SETUPS["cluster-2"][1]) if "cluster-2" in calibrated else None
             split = (calibrated["split-1P1D"], SETUPS["split-1P1D"][1]) if "split-1P1D" in calibrated else None
@@ -110,10 +123,13 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
                              log=lambda m: print(m, flush=True))
             prof.save(a.out / "profile-calibrated.json")
             print(f"calibrated: {overheads_line(prof)}", flush=True)
-        rates = a.rates or predicted_rates(prof, fleet, a)
+        rates = [round(r, 2) for r in (a.rates or predicted_rates(prof, fleet, a))]
+        if not a.no_calibrate and a.calibration_load == "poisson":
+            # A judged rate never equals the calibration's (set --rates accordingly; predicted ones move).
+            rates = [r + 0.01 if r == a.calibration_rate else r for r in rates]
         print(f"== {name}: rates {', '.join(f'{r:.2g}' for r in rates)} req/s", flush=True)
-        folder = bench(port, a.out / name, ["--request-rate", ",".join(f"{round(r, 2):g}" for r in rates),
-                                            "--num-prompts", str(a.num_prompts)], a)
+        folder = bench(port, a.out / name, ["--request-rate", ",".join(f"{r:g}" for r in rates),
+                                            "--num-prompts", str(a.num_prompts)], a, a.seed)
     finally:
         proc.terminate()
         proc.wait(180)
@@ -191,11 +207,18 @@ def main() -> None:
                     help="grid flags for `plan profile`")
     ap.add_argument("--no-calibrate", action="store_true", help="simulate with the bare engine-step profile")
     ap.add_argument("--calibration-prompts", type=int, default=16,
-                    help="requests per calibration point (never judged): single at concurrency 1 and 8, "
-                         "each cluster at concurrency 1")
+                    help="requests per calibration point (never judged): each set-up's light point, and the "
+                         "single server at concurrency 8")
+    ap.add_argument("--calibration-load", choices=("concurrency1", "poisson"), default="concurrency1",
+                    help="the light calibration point: a closed loop at concurrency 1 (default) or Poisson "
+                         "arrivals at --calibration-rate (open loop, as the judged points)")
+    ap.add_argument("--calibration-rate", type=float, default=0.4,
+                    help="req/s of the Poisson calibration point (light: a request alone takes ~0.5 s here)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results/plan_validate"))
     a = ap.parse_args()
+    if a.rates and not a.no_calibrate and a.calibration_load == "poisson" and a.calibration_rate in a.rates:
+        ap.error(f"--calibration-rate {a.calibration_rate:g} is one of --rates: calibration points must not be judged")
     if not a.no_calibrate and "single" not in a.setups:
         ap.error("calibration starts from the single server: include `single` in --setups (or --no-calibrate)")
     a.out.mkdir(parents=True, exist_ok=True)

@@ -190,8 +190,8 @@ def test_split_handoff_adds_to_the_kv_transfer() -> None:
 
 
 def _bench_folder(folder: Path, prof: Profile, fleet: FleetConfig, loads: list[tuple[float, int | None]]) -> Path:
-    """Simulated "reality" written as `bench serve` writes a results folder: one point per (rate, concurrency
-    label); a concurrency-1 point is a rate so low that requests never overlap."""
+    """Simulated "reality" written as `bench serve` writes a results folder: one point per (Poisson rate,
+    concurrency label); a point labelled with a concurrency is recorded as a closed-loop one."""
     import json
 
     import pandas as pd
@@ -211,19 +211,19 @@ def _bench_folder(folder: Path, prof: Profile, fleet: FleetConfig, loads: list[t
 
 
 def test_calibration_recovers_known_serving_terms(tmp_path: Path) -> None:
-    from tokenloom.plan.calibrate import calibrate
+    from tokenloom.plan.calibrate import bench_points, calibrate, light
 
     # "Reality": steps cost 3 ms + 0.4 ms per row more than the profile says; 50 ms before a request is
     # enqueued, 10 ms after its last token; behind the router 30 ms per request and 1.5 ms per token; a
-    # split handoff 40 ms more than its bytes and link latency. Single server at concurrency 1 (0.2 req/s,
-    # no overlap) and at 30 req/s; cluster and split at concurrency 1 only.
+    # split handoff 40 ms more than its bytes and link latency. Single server at 0.2 req/s (the light
+    # point: requests barely overlap) and at 30 req/s (labelled concurrency 8); cluster and split light only.
     bare = profile((0.002, 1e-5, 2e-4))
     real = replace(bare, overhead_step_s=0.003, overhead_row_s=0.0004, request_s=0.05, response_s=0.01,
                    router_hop_s=0.03, router_token_s=0.0015, handoff_s=0.04)
     split_fleet = FleetConfig(workers=1, prefill_workers=1)
-    single = _bench_folder(tmp_path / "single", real, FleetConfig(), [(0.2, 1), (30.0, None)])
-    cluster = _bench_folder(tmp_path / "cluster", real, FleetConfig(workers=2), [(0.2, 1)])
-    split = _bench_folder(tmp_path / "split", real, split_fleet, [(0.2, 1)])
+    single = _bench_folder(tmp_path / "single", real, FleetConfig(), [(0.2, None), (30.0, 8)])
+    cluster = _bench_folder(tmp_path / "cluster", real, FleetConfig(workers=2), [(0.2, None)])
+    split = _bench_folder(tmp_path / "split", real, split_fleet, [(0.2, None)])
     got = calibrate(bare, [single], FleetConfig(), cluster=([cluster], FleetConfig(workers=2)),
                     split=([split], split_fleet))
     assert got.overhead_step_s == pytest.approx(0.003, rel=0.3)
@@ -235,6 +235,10 @@ def test_calibration_recovers_known_serving_terms(tmp_path: Path) -> None:
     assert got.handoff_s == pytest.approx(0.04, rel=0.2)
     assert got.cost == bare.cost and len(got.calibration["points"]) == 2
     assert [f["term"] for f in got.calibration["residual_fits"]] == ["router_token_s", "router_hop_s", "handoff_s"]
+    # The per-request terms come from the sparse point, not the loaded one; a concurrency-1 point first.
+    assert [p["request_rate"] for p, _ in light(bench_points(single))] == [0.2]
+    one = ({"concurrency": 1, "request_rate": None}, single / "x.csv")
+    assert light([*bench_points(single), one]) == [one]
     # The calibrated profile saves and loads with every term.
     got.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json").router_hop_s == got.router_hop_s

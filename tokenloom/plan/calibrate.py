@@ -8,14 +8,15 @@ each a least-squares fit of a constant or a line to a few measured `bench serve`
    - per step + per row (overhead_step_s + overhead_row_s x rows, added to each step, holding the engine):
      the measured median TPOT less the simulated one's engine part is regressed, non-negatively, on
      (1, mean running rows);
-   - request_s (arrival -> enqueue, no engine held): the mean over the light points (concurrency 1, or
-     every point if none is) of measured median TTFT - simulated median TTFT without it. A constant
+   - request_s (arrival -> enqueue, no engine held): the mean over the light points (`light`:
+     concurrency 1, else the sparsest Poisson point) of measured median TTFT - simulated median TTFT
+     without it. A constant
      delay before every request shifts the whole timeline, so this gap is exactly what it must be;
    - response_s (last token -> end of response): the median over the light points' records of
      e2el - ttft - (output_tokens - 1) x itl_mean, the time from the last streamed chunk to the end.
    These are refitted in turn until they settle (more overhead means more rows in flight).
 2. A cluster behind the router (optional, its light points): router_token_s = measured - simulated
-   median TPOT (one streamed row per step at concurrency 1, so the gap is the router's per-token cost),
+   median TPOT (about one streamed row per step at light load, so the gap is the router's per-token cost),
    then router_hop_s = measured - simulated median TTFT.
 3. A split fleet (optional, its light points): handoff_s = measured - simulated median TTFT.
 Every term is clipped at 0 (a faster-than-simulated measurement means no such cost, not a negative one).
@@ -63,9 +64,16 @@ def bench_points(folder: Path) -> list[Point]:
 
 
 def light(points: list[Point]) -> list[Point]:
-    """The concurrency-1 points, or all of them if none is: where no queueing blurs per-request costs."""
+    """The points that fit the per-request terms, where no queueing blurs them: the concurrency-1 points if
+    there are any, else the lowest-rate open-loop (Poisson) point, else all."""
     ones = [pt for pt in points if pt[0].get("concurrency") == 1]
-    return ones or points
+    if ones:
+        return ones
+    rates = [pt for pt in points if pt[0].get("request_rate")]
+    if rates:
+        low = min(pt[0]["request_rate"] for pt in rates)
+        return [pt for pt in rates if pt[0]["request_rate"] == low]
+    return points
 
 
 def response_tail(trace: Path) -> float:

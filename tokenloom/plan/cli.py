@@ -85,10 +85,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     ca.add_argument("--bench", type=Path, nargs="+", required=True, help="`bench serve` results folders")
     ca.add_argument("--workers", type=int, default=1, help="workers of the measured server (1: `serve`)")
     ca.add_argument("--cluster-bench", type=Path, nargs="+", default=None,
-                    help="`bench serve` folders of a cluster behind the router (concurrency 1): fits the router terms")
+                    help="`bench serve` folders of a cluster behind the router at light load: fits the router terms")
     ca.add_argument("--cluster-workers", type=int, default=2, help="workers of that cluster")
     ca.add_argument("--split-bench", type=Path, nargs="+", default=None,
-                    help="`bench serve` folders of a 1 prefill + 1 decode cluster (concurrency 1): fits the handoff")
+                    help="`bench serve` folders of a 1 prefill + 1 decode cluster at light load: fits the handoff")
     ca.add_argument("--seed", type=int, default=0)
     ca.add_argument("--out", type=Path, required=True, help="the calibrated profile")
     ca.set_defaults(func=_calibrate)
