@@ -78,14 +78,14 @@ def tl(*args: str) -> list[str]:
 
 
 def predicted_rates(prof: Profile, fleet: FleetConfig, a: argparse.Namespace) -> list[float]:
-    """1/8 .. 2 x the simulated knee of `fleet` over a sweep of rates."""
+    """--rate-fractions (1/8 .. 2) x the simulated knee of `fleet` over a sweep of rates."""
     grid = [0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, 12, 16]
     pts = []
     for r in grid:
         s = fleet_summary(simulate(prof, fleet, poisson(r, a.num_prompts, a.input_len, a.output_len, a.seed)))
         pts.append(SweepPoint(r, s["output_throughput"], s["e2el_s_p95"]))
     k = knee(pts, a.knee_efficiency) or grid[0]
-    return [k / 8, k / 4, k / 2, k, k * 2]
+    return [k * f for f in a.rate_fractions]
 
 
 def bench(port: int, out: Path, load: list[str], a: argparse.Namespace, seed: int) -> Path:
@@ -127,7 +127,8 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
         if not a.no_calibrate and a.calibration_load == "poisson":
             # A judged rate never equals the calibration's (set --rates accordingly; predicted ones move).
             rates = [r + 0.01 if r == a.calibration_rate else r for r in rates]
-        print(f"== {name}: rates {', '.join(f'{r:.2g}' for r in rates)} req/s", flush=True)
+        eta = sum(a.num_prompts / r for r in rates) / 60  # arrivals only; the drain after each adds a little
+        print(f"== {name}: rates {', '.join(f'{r:.2g}' for r in rates)} req/s (about {eta:.0f} min)", flush=True)
         folder = bench(port, a.out / name, ["--request-rate", ",".join(f"{r:g}" for r in rates),
                                             "--num-prompts", str(a.num_prompts)], a, a.seed)
     finally:
@@ -199,6 +200,10 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=40, help="measured requests per rate")
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=None,
                     help="the same rates for every set-up (default: 1/8 .. 2 x each fleet's predicted knee)")
+    ap.add_argument("--rate-fractions", type=lambda s: [float(x) for x in s.split(",")],
+                    default=[0.125, 0.25, 0.5, 1.0, 2.0],
+                    help="judged rates as fractions of each fleet's predicted knee (the lowest costs the most "
+                         "time: num-prompts / rate)")
     ap.add_argument("--setups", type=_setups, default=list(SETUPS),
                     help=f"comma-separated, in this order: {','.join(SETUPS)} (default: all)")
     ap.add_argument("--knee-efficiency", type=float, default=0.5)
