@@ -2,23 +2,34 @@
 same workloads with `tokenloom plan` from a profile taken in the same run, and compare.
 
     python benchmarks/plan_validate.py [--input-len 128] [--output-len 64] [--num-prompts 40]
-                                       [--rates 1,2,4] [--out results/plan_validate]
+                                       [--setups single,cluster-2,split-1P1D] [--rates R1,R2,...]
+                                       [--calibration-prompts 16] [--calibration-rate 0.4]
+                                       [--out results/plan_validate]
 
+About 25 minutes on the 2-core machine with the defaults (profile ~2 min; per set-up: start, ~1 min of
+calibration, five Poisson rates of 40 requests, stop). Keep the machine otherwise quiet.
 1. `tokenloom plan profile` of the embedded model with --num-threads 1 (the engine flags every server
    below gets, so two workers share the two cores the same way as one worker uses one).
-2. For each set-up, a real run: one `tokenloom serve`; a 2-worker `tokenloom cluster`; a 1 prefill +
-   1 decode `tokenloom cluster --prefill-workers 1`. Each is loaded by `bench serve` at Poisson rates:
-   by default 1/8, 1/4, 1/2, 1 and 2 x the knee the planner predicts for that fleet (a sweep of
-   simulated rates), so that the real knee falls inside the sweep even where the prediction is off;
-   or --rates for all.
-   Before them, the single server is also run at concurrency 1 and 8 (--calibration-prompts each) and
-   `plan calibrate` fits the serving time outside engine steps (HTTP streaming, the async loop, the load
-   generator on the same cores) to those two points; the rate points below are not used for it.
-   --no-calibrate compares the bare engine-step profile instead.
-3. The simulation replays each measured point's records (its very arrival times and lengths) on the
-   matching simulated fleet, and the table compares p50/p99 TTFT and TPOT, with the relative error, and
-   the knee (bench's definition) of the measured and of the simulated sweep.
-Results: profile.json, one bench folder per set-up, validation.json and table.md in --out.
+2. For each set-up in turn (one server start each): one `tokenloom serve`; a 2-worker `tokenloom
+   cluster`; a 1 prefill + 1 decode `tokenloom cluster --prefill-workers 1`:
+   a. calibration runs, which are never judged (--calibration-prompts requests each, each bench call
+      with its own seed, so that no judged prompt is in the server's prefix cache from them): every
+      set-up at concurrency 1 (or --calibration-load poisson: at --calibration-rate), and the single
+      server also at concurrency 8. `plan calibrate` then fits, with everything measured so far: per
+      step + per row and per request (light TTFT less the simulated one) from the single server; the
+      router hop and per-token router cost from the 2-worker cluster; the prefill -> decode handoff from
+      the split cluster (see tokenloom/plan/calibrate.py). The split set-up uses the router terms only if
+      cluster-2 ran before it. The fit is printed.
+   b. the judged runs: `bench serve` at Poisson rates, by default 1/8, 1/4, 1/2, 1 and 2 x the knee the
+      calibrated planner predicts for that fleet (a sweep of simulated rates), so that the real knee
+      falls inside the sweep even where the prediction is off; or --rates for all.
+   --no-calibrate skips (a) and compares the bare engine-step profile.
+3. The simulation replays each judged point's records (its very arrival times and lengths) on the
+   matching simulated fleet, with the profile calibrated up to that set-up, and the table compares
+   p50/p99 TTFT and TPOT, with the relative error, and the knee (bench's definition) of the measured and
+   of the simulated sweep. The bar: within 20% at the points below the measured knee, same knee.
+Results: profile.json, profile-calibrated.json, one bench folder per set-up and per calibration run,
+validation.json and table.md in --out.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ import pandas as pd
 
 from tokenloom.bench.stats import SweepPoint, knee
 from tokenloom.netutil import free_port, wait_until_healthy
-from tokenloom.plan.calibrate import calibrate
+from tokenloom.plan.calibrate import calibrate, overheads_line
 from tokenloom.plan.metrics import fleet_summary
 from tokenloom.plan.profile_file import Profile
 from tokenloom.plan.simulator import FleetConfig, simulate
@@ -44,11 +55,22 @@ ENGINE = ["--num-threads", "1", "--max-model-len", "4096"]
 SETUPS: dict[str, tuple[list[str], FleetConfig]] = {
     "single": (["serve"], FleetConfig(workers=1)),
     "cluster-2": (["cluster", "--workers", "2"], FleetConfig(workers=2)),
-    # Loopback ZeroMQ: ~1 GB/s and a few ms per transfer (signing, import, the router's extra HTTP hop).
+    # Loopback ZeroMQ: ~1 GB/s; the fixed part of a handoff is calibrated (the profile's handoff_s).
     "split-1P1D": (["cluster", "--workers", "1", "--prefill-workers", "1"],
-                   FleetConfig(workers=1, prefill_workers=1, link_bandwidth=1e9, link_latency_s=5e-3)),
+                   FleetConfig(workers=1, prefill_workers=1, link_bandwidth=1e9)),
 }
+
+# The single server's per-row fit also needs a loaded calibration point (concurrency 8).
+LOADED = {"single": ["--concurrency", "8"]}
 METRICS = ("ttft_s_median", "ttft_s_p99", "tpot_s_median", "tpot_s_p99")
+
+
+def _setups(s: str) -> list[str]:
+    names = s.split(",")
+    bad = [n for n in names if n not in SETUPS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown set-up(s) {', '.join(bad)}; expected {', '.join(SETUPS)}")
+    return sorted(names, key=list(SETUPS).index)  # the single server calibrates first, the cluster's router next
 
 
 def tl(*args: str) -> list[str]:
@@ -56,33 +78,63 @@ def tl(*args: str) -> list[str]:
 
 
 def predicted_rates(prof: Profile, fleet: FleetConfig, a: argparse.Namespace) -> list[float]:
-    """1/8 .. 2 x the simulated knee of `fleet` over a sweep of rates."""
+    """--rate-fractions (1/8 .. 2) x the simulated knee of `fleet` over a sweep of rates."""
     grid = [0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, 12, 16]
     pts = []
     for r in grid:
         s = fleet_summary(simulate(prof, fleet, poisson(r, a.num_prompts, a.input_len, a.output_len, a.seed)))
         pts.append(SweepPoint(r, s["output_throughput"], s["e2el_s_p95"]))
     k = knee(pts, a.knee_efficiency) or grid[0]
-    return [k / 8, k / 4, k / 2, k, k * 2]
+    return [k * f for f in a.rate_fractions]
 
 
-def measure(name: str, cmd: list[str], rates: list[float] | None, a: argparse.Namespace) -> Path:
-    """Start the set-up, load it at `rates` (None: concurrency 1 and 8, the calibration runs), stop it."""
+def bench(port: int, out: Path, load: list[str], a: argparse.Namespace, seed: int) -> Path:
+    """One `bench serve` call. Prompts come from `seed`: runs on one server start need distinct seeds, or a
+    later run's prompts are prefix-cache hits of an earlier one's (the simulation's replayed prompts never
+    are), which cut a 128-token TTFT from ~130 to ~40 ms in a smoke run."""
+    subprocess.run(tl("bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--dataset", "fixed",
+                      "--input-len", str(a.input_len), "--output-len", str(a.output_len),
+                      *load, "--warmup", "2", "--seed", str(seed), "--knee-efficiency", str(a.knee_efficiency),
+                      "--out", str(out)), check=True)
+    return out
+
+
+def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: argparse.Namespace,
+              bare: Profile) -> tuple[Profile, Path]:
+    """Start the set-up; its calibration run (unless --no-calibrate) and refit; its judged rates; stop.
+    Returns the profile it is judged with and its judged bench folder."""
+    cmd, fleet = SETUPS[name]
     port = free_port()
-    out = a.out / name
-    load = (["--request-rate", ",".join(f"{r:g}" for r in rates), "--num-prompts", str(a.num_prompts)] if rates
-            else ["--concurrency", "1,8", "--num-prompts", str(a.calibration_prompts)])
     proc = subprocess.Popen(tl(*cmd, "--port", str(port), *ENGINE))
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", timeout=900, alive=lambda: proc.poll() is None)
-        subprocess.run(tl("bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--dataset", "fixed",
-                          "--input-len", str(a.input_len), "--output-len", str(a.output_len),
-                          *load, "--warmup", "2", "--seed", str(a.seed), "--knee-efficiency", str(a.knee_efficiency),
-                          "--out", str(out)), check=True)
+        if not a.no_calibrate:
+            n = ["--num-prompts", str(a.calibration_prompts)]
+            light = (["--concurrency", "1"] if a.calibration_load == "concurrency1"
+                     else ["--request-rate", f"{a.calibration_rate:g}"])
+            calibrated[name] = [bench(port, a.out / f"calibration-{name}", light + n, a, a.seed + 1000)]
+            if name in LOADED:
+                calibrated[name].append(bench(port, a.out / f"calibration-{name}-loaded", LOADED[name] + n, a,
+                                              a.seed + 2000))
+            print(f"== calibrating with {', '.join(calibrated)}", flush=True)
+            cluster = (calibrated["cluster-2"], SETUPS["cluster-2"][1]) if "cluster-2" in calibrated else None
+            split = (calibrated["split-1P1D"], SETUPS["split-1P1D"][1]) if "split-1P1D" in calibrated else None
+            prof = calibrate(bare, calibrated["single"], SETUPS["single"][1], a.seed, cluster=cluster, split=split,
+                             log=lambda m: print(m, flush=True))
+            prof.save(a.out / "profile-calibrated.json")
+            print(f"calibrated: {overheads_line(prof)}", flush=True)
+        rates = [round(r, 2) for r in (a.rates or predicted_rates(prof, fleet, a))]
+        if not a.no_calibrate and a.calibration_load == "poisson":
+            # A judged rate never equals the calibration's (set --rates accordingly; predicted ones move).
+            rates = [r + 0.01 if r == a.calibration_rate else r for r in rates]
+        eta = sum(a.num_prompts / r for r in rates) / 60  # arrivals only; the drain after each adds a little
+        print(f"== {name}: rates {', '.join(f'{r:.2g}' for r in rates)} req/s (about {eta:.0f} min)", flush=True)
+        folder = bench(port, a.out / name, ["--request-rate", ",".join(f"{r:g}" for r in rates),
+                                            "--num-prompts", str(a.num_prompts)], a, a.seed)
     finally:
         proc.terminate()
         proc.wait(180)
-    return out
+    return prof, folder
 
 
 def compare(name: str, fleet: FleetConfig, prof: Profile, folder: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -113,6 +165,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1e3:.0f}"
 
+    def knee_s(v: float | None) -> str:
+        return "none" if v is None else f"{v:.2g}"
+
     def pct(v: float | None) -> str:
         return "-" if v is None else f"{v:+.0%}"
 
@@ -121,7 +176,20 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [head]
     for r in rows:
         cells = [f"{ms(r['measured_' + k])} / {ms(r['sim_' + k])} ({pct(r['err_' + k])})" for k in METRICS]
-        lines.append(f"| {r['setup']} | {r['rate']:.2g} | {' | '.join(cells)} | {r['measured_knee']:.2g} / {r['sim_knee']:.2g} |")
+        lines.append(f"| {r['setup']} | {r['rate']:.2g} | {' | '.join(cells)} | {knee_s(r['measured_knee'])} / {knee_s(r['sim_knee'])} |")
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict[str, Any]]) -> str:
+    """The issue's bar: every metric within 20% at the points below the measured knee; the same knee."""
+    lines = []
+    for name in dict.fromkeys(r["setup"] for r in rows):
+        mine = [r for r in rows if r["setup"] == name]
+        below = [r for r in mine if r["measured_knee"] is not None and r["rate"] < r["measured_knee"]]
+        errs = [r[f"err_{k}"] for r in below for k in METRICS]
+        ok = sum(1 for e in errs if e is not None and abs(e) <= 0.2)
+        lines.append(f"- {name}: {ok} of {len(errs)} figures within 20% below the measured knee; knee measured "
+                     f"{mine[0]['measured_knee']}, simulated {mine[0]['sim_knee']} req/s")
     return "\n".join(lines)
 
 
@@ -132,35 +200,44 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=40, help="measured requests per rate")
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=None,
                     help="the same rates for every set-up (default: 1/8 .. 2 x each fleet's predicted knee)")
-    ap.add_argument("--setups", type=lambda s: s.split(","), default=list(SETUPS))
+    ap.add_argument("--rate-fractions", type=lambda s: [float(x) for x in s.split(",")],
+                    default=[0.125, 0.25, 0.5, 1.0, 2.0],
+                    help="judged rates as fractions of each fleet's predicted knee (the lowest costs the most "
+                         "time: num-prompts / rate)")
+    ap.add_argument("--setups", type=_setups, default=list(SETUPS),
+                    help=f"comma-separated, in this order: {','.join(SETUPS)} (default: all)")
     ap.add_argument("--knee-efficiency", type=float, default=0.5)
     ap.add_argument("--profile", type=Path, default=None, help="reuse this profile instead of taking one")
     ap.add_argument("--profile-args", default="--decode-rows 1,4,16,64 --context-lens 128,512,1024",
                     help="grid flags for `plan profile`")
     ap.add_argument("--no-calibrate", action="store_true", help="simulate with the bare engine-step profile")
-    ap.add_argument("--calibration-prompts", type=int, default=16, help="requests per calibration point")
+    ap.add_argument("--calibration-prompts", type=int, default=16,
+                    help="requests per calibration point (never judged): each set-up's light point, and the "
+                         "single server at concurrency 8")
+    ap.add_argument("--calibration-load", choices=("concurrency1", "poisson"), default="concurrency1",
+                    help="the light calibration point: a closed loop at concurrency 1 (default) or Poisson "
+                         "arrivals at --calibration-rate (open loop, as the judged points)")
+    ap.add_argument("--calibration-rate", type=float, default=0.4,
+                    help="req/s of the Poisson calibration point (light: a request alone takes ~0.5 s here)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results/plan_validate"))
     a = ap.parse_args()
+    if a.rates and not a.no_calibrate and a.calibration_load == "poisson" and a.calibration_rate in a.rates:
+        ap.error(f"--calibration-rate {a.calibration_rate:g} is one of --rates: calibration points must not be judged")
+    if not a.no_calibrate and "single" not in a.setups:
+        ap.error("calibration starts from the single server: include `single` in --setups (or --no-calibrate)")
     a.out.mkdir(parents=True, exist_ok=True)
     prof_path = a.profile or a.out / "profile.json"
     if a.profile is None:
         subprocess.run(tl("plan", "profile", "--out", str(prof_path), *ENGINE, *a.profile_args.split()), check=True)
-    prof = Profile.load(prof_path)
-    if not a.no_calibrate:
-        prof = calibrate(prof, [measure("calibration", SETUPS["single"][0], None, a)], FleetConfig(workers=1), a.seed)
-        prof.save(a.out / "profile-calibrated.json")
-        print(f"calibrated serving overhead: {prof.overhead_step_s * 1e3:.2f} ms/step + "
-              f"{prof.overhead_row_s * 1e3:.3f} ms/row", flush=True)
+    prof = bare = Profile.load(prof_path)
+    calibrated: dict[str, list[Path]] = {}
     rows: list[dict[str, Any]] = []
     for name in a.setups:
-        cmd, fleet = SETUPS[name]
-        rates = a.rates or predicted_rates(prof, fleet, a)
-        print(f"== {name}: rates {', '.join(f'{r:.2g}' for r in rates)} req/s", flush=True)
-        folder = measure(name, cmd, [round(r, 2) for r in rates], a)
-        rows += compare(name, fleet, prof, folder, a)
+        prof, folder = run_setup(name, prof, calibrated, a, bare)
+        rows += compare(name, SETUPS[name][1], prof, folder, a)
         (a.out / "validation.json").write_text(json.dumps(rows, indent=1))
-    md = table(rows)
+    md = table(rows) + "\n\n" + verdict(rows)
     (a.out / "table.md").write_text(md + "\n")
     print(md)
 

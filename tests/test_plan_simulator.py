@@ -150,28 +150,95 @@ def test_search_finds_the_known_cheapest_fleet() -> None:
     assert 2 in missed
 
 
-def test_calibration_recovers_a_known_serving_overhead(tmp_path: Path) -> None:
+def test_per_request_overheads_and_the_router_hop_are_hand_computed() -> None:
+    # Steps take 10 ms. A request reaches the scheduler 50 ms after it arrives (HTTP, tokenization) and its
+    # response ends 20 ms after its last token; neither holds the engine. Single server: A (8, 3) arrives at
+    # 0, enqueued at .05, tokens .06 .07 .08, end .10. B arrives at .055, while A's first step runs: it is
+    # enqueued at .105, after A is done: tokens .115, .125, end .145 (it never waited on A's requests' tails).
+    p = replace(profile((0.01,)), request_s=0.05, response_s=0.02)
+    a, b = simulate(p, FleetConfig(), [req(0.0, 8, 3), req(0.055, 8, 2, 100)]).records
+    assert a.token_times == pytest.approx([0.06, 0.07, 0.08]) and a.end == pytest.approx(0.10)
+    assert b.token_times == pytest.approx([0.115, 0.125]) and b.end == pytest.approx(0.145)
+    # Behind a router (2 workers): + 30 ms hop before enqueue, and each streamed token adds 2 ms of router
+    # CPU to the step that made it. A and B arrive together and go to different workers (least outstanding):
+    # each enqueued at .08, steps of 12 ms: tokens .092 .104 .116, end .136.
+    r = replace(p, router_hop_s=0.03, router_token_s=0.002)
+    res = simulate(r, FleetConfig(workers=2), [req(0.0, 8, 3), req(0.0, 8, 3, 100)])
+    assert {x.worker for x in res.records} == {0, 1}
+    for x in res.records:
+        assert x.token_times == pytest.approx([0.092, 0.104, 0.116]) and x.end == pytest.approx(0.136)
+    s = fleet_summary(res)
+    assert s["ttft_s_median"] == pytest.approx(0.092) and s["e2el_s_median"] == pytest.approx(0.136)
+    assert s["tpot_s_median"] == pytest.approx((0.136 - 0.092) / 2)  # the bench's TPOT includes the tail
+    # The same two workers without a router (router=False) pay none of the router's terms.
+    (x, _) = simulate(r, FleetConfig(workers=2, router=False), [req(0.0, 8, 3), req(0.0, 8, 3, 100)]).records
+    assert x.token_times == pytest.approx([0.06, 0.07, 0.08])
+
+
+def test_split_handoff_adds_to_the_kv_transfer() -> None:
+    # 1 prefill + 1 decode behind the router: enqueued on the prefill worker at .05 + .03 = .08, its step
+    # .08-.09 streams nothing (no router token cost); transfer 3.2 s (3,200 bytes at 1 KB/s) + .5 latency
+    # + .1 handoff -> 3.89; the decode step takes 10 + 2 ms: first token 3.902, second 3.914, end 3.934.
+    p = Profile("measured", "fake", profile((0.01,)).cost, 16, 100, 100.0, 8, 64, 4096, request_s=0.05,
+                response_s=0.02, router_hop_s=0.03, router_token_s=0.002, handoff_s=0.1)
+    fleet = FleetConfig(workers=1, prefill_workers=1, link_bandwidth=1000.0, link_latency_s=0.5)
+    (r,) = simulate(p, fleet, [req(0.0, 32, 2)]).records
+    assert r.kv_transfer_s == pytest.approx(3.8)
+    assert r.token_times == pytest.approx([3.902, 3.914]) and r.end == pytest.approx(3.934)
+    with pytest.raises(ConfigError, match="request_s"):
+        replace(p, request_s=-0.1)
+
+
+def _bench_folder(folder: Path, prof: Profile, fleet: FleetConfig, loads: list[tuple[float, int | None]]) -> Path:
+    """Simulated "reality" written as `bench serve` writes a results folder: one point per (Poisson rate,
+    concurrency label); a point labelled with a concurrency is recorded as a closed-loop one."""
     import json
 
     import pandas as pd
 
-    from tokenloom.plan.calibrate import calibrate
     from tokenloom.plan.metrics import to_bench_record
 
-    # "Reality": a server whose steps cost 3 ms + 0.4 ms per row more than its profile says. Two bench
-    # points (2 and 30 req/s, so different batch sizes) written as `bench serve` writes them.
-    bare = profile((0.002, 1e-5, 2e-4))
-    real = replace(bare, overhead_step_s=0.003, overhead_row_s=0.0004)
+    folder.mkdir()
     rows, points = [], []
-    for rate in (2.0, 30.0):
-        res = simulate(real, FleetConfig(), poisson(rate, 150, 64, 32, seed=5))
-        recs = [to_bench_record(r) for r in res.records]
-        points.append({"input_len": 64, "concurrency": None, "request_rate": rate,
-                       **fleet_summary(res)})
-        rows += [{"input_len": 64, "request_rate": rate, **r.to_row()} for r in recs]
-    (tmp_path / "summary.json").write_text(json.dumps({"points": points}))
-    pd.DataFrame(rows).to_csv(tmp_path / "records.csv", index=False)
-    got = calibrate(bare, [tmp_path], FleetConfig())
+    for rate, conc in loads:
+        res = simulate(prof, fleet, poisson(rate, 60, 64, 32, seed=5))
+        label = {"concurrency": conc, "request_rate": None if conc else rate}
+        points.append({"input_len": 64, **label, **fleet_summary(res)})
+        rows += [{**to_bench_record(r).to_row(), "input_len": 64, **label} for r in res.records]
+    (folder / "summary.json").write_text(json.dumps({"points": points}))
+    pd.DataFrame(rows).to_csv(folder / "records.csv", index=False)
+    return folder
+
+
+def test_calibration_recovers_known_serving_terms(tmp_path: Path) -> None:
+    from tokenloom.plan.calibrate import bench_points, calibrate, light
+
+    # "Reality": steps cost 3 ms + 0.4 ms per row more than the profile says; 50 ms before a request is
+    # enqueued, 10 ms after its last token; behind the router 30 ms per request and 1.5 ms per token; a
+    # split handoff 40 ms more than its bytes and link latency. Single server at 0.2 req/s (the light
+    # point: requests barely overlap) and at 30 req/s (labelled concurrency 8); cluster and split light only.
+    bare = profile((0.002, 1e-5, 2e-4))
+    real = replace(bare, overhead_step_s=0.003, overhead_row_s=0.0004, request_s=0.05, response_s=0.01,
+                   router_hop_s=0.03, router_token_s=0.0015, handoff_s=0.04)
+    split_fleet = FleetConfig(workers=1, prefill_workers=1)
+    single = _bench_folder(tmp_path / "single", real, FleetConfig(), [(0.2, None), (30.0, 8)])
+    cluster = _bench_folder(tmp_path / "cluster", real, FleetConfig(workers=2), [(0.2, None)])
+    split = _bench_folder(tmp_path / "split", real, split_fleet, [(0.2, None)])
+    got = calibrate(bare, [single], FleetConfig(), cluster=([cluster], FleetConfig(workers=2)),
+                    split=([split], split_fleet))
     assert got.overhead_step_s == pytest.approx(0.003, rel=0.3)
     assert got.overhead_row_s == pytest.approx(0.0004, rel=0.3)
+    assert got.request_s == pytest.approx(0.05, rel=0.05)
+    assert got.response_s == pytest.approx(0.01, rel=1e-6)
+    assert got.router_token_s == pytest.approx(0.0015, rel=0.2)
+    assert got.router_hop_s == pytest.approx(0.03, rel=0.2)
+    assert got.handoff_s == pytest.approx(0.04, rel=0.2)
     assert got.cost == bare.cost and len(got.calibration["points"]) == 2
+    assert [f["term"] for f in got.calibration["residual_fits"]] == ["router_token_s", "router_hop_s", "handoff_s"]
+    # The per-request terms come from the sparse point, not the loaded one; a concurrency-1 point first.
+    assert [p["request_rate"] for p, _ in light(bench_points(single))] == [0.2]
+    one = ({"concurrency": 1, "request_rate": None}, single / "x.csv")
+    assert light([*bench_points(single), one]) == [one]
+    # The calibrated profile saves and loads with every term.
+    got.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json").router_hop_s == got.router_hop_s

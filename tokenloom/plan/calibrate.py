@@ -1,17 +1,32 @@
 """`tokenloom plan calibrate`: fit the serving time a profile's engine steps leave out, from real runs.
 
 A profile times `LLMEngine.step()` alone. A served request also pays for the async engine loop, the HTTP
-layer's per-token stream (SSE framing, writes), a router hop, and a load generator sharing the machine.
-That time recurs every step, and partly per streamed row, so it is modelled as overhead_step_s +
-overhead_row_s x rows, added to each simulated step. Fit: for each measured `bench serve` point, the
-replayed simulation without overhead gives its median TPOT and its mean running rows; the gap to the
-measured median TPOT is regressed, non-negatively, on (1, rows). Calibrate on points you will not judge
-the simulation by (e.g. concurrency 1 and 8), then compare at others.
+layer, tokenization, the per-token stream (SSE framing, writes), a router for a cluster, a KV handoff for
+a split fleet, and a load generator sharing the machine. The terms (Profile.OVERHEADS) and their fits,
+each a least-squares fit of a constant or a line to a few measured `bench serve` points (medians):
+1. Single server (two or more points, e.g. concurrency 1 and 8):
+   - per step + per row (overhead_step_s + overhead_row_s x rows, added to each step, holding the engine):
+     the measured median TPOT less the simulated one's engine part is regressed, non-negatively, on
+     (1, mean running rows);
+   - request_s (arrival -> enqueue, no engine held): the mean over the light points (`light`:
+     concurrency 1, else the sparsest Poisson point) of measured median TTFT - simulated median TTFT
+     without it. A constant
+     delay before every request shifts the whole timeline, so this gap is exactly what it must be;
+   - response_s (last token -> end of response): the median over the light points' records of
+     e2el - ttft - (output_tokens - 1) x itl_mean, the time from the last streamed chunk to the end.
+   These are refitted in turn until they settle (more overhead means more rows in flight).
+2. A cluster behind the router (optional, its light points): router_token_s = measured - simulated
+   median TPOT (about one streamed row per step at light load, so the gap is the router's per-token cost),
+   then router_hop_s = measured - simulated median TTFT.
+3. A split fleet (optional, its light points): handoff_s = measured - simulated median TTFT.
+Every term is clipped at 0 (a faster-than-simulated measurement means no such cost, not a negative one).
+Calibrate on points you will not judge the simulation by, then compare at others.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,10 +39,12 @@ from tokenloom.plan.cost_model import nnls
 from tokenloom.plan.metrics import fleet_summary
 from tokenloom.plan.profile_file import Profile
 from tokenloom.plan.simulator import FleetConfig, simulate
-from tokenloom.plan.workload import replay
+from tokenloom.plan.workload import SimRequest, replay
+
+Point = tuple[dict[str, Any], Path]  # a bench summary point and its own records file
 
 
-def bench_points(folder: Path) -> list[tuple[dict[str, Any], Path]]:
+def bench_points(folder: Path) -> list[Point]:
     """Each point of a `bench serve` results folder with its own records file (written beside them)."""
     try:
         summary = json.loads((folder / "summary.json").read_text())
@@ -46,19 +63,70 @@ def bench_points(folder: Path) -> list[tuple[dict[str, Any], Path]]:
     return out
 
 
-def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: int = 0, rounds: int = 6) -> Profile:
-    """Fixed-point fit: simulate every point with the current overheads; the measured median TPOT less the
-    simulated one's engine part (simulated TPOT - a - b x its mean rows) is what a + b x rows must give;
-    refit (a, b) >= 0 and repeat, since more overhead means more rows in flight."""
-    points = [(p, trace) for folder in folders for p, trace in bench_points(folder) if p.get("tpot_s_median") is not None]
+def light(points: list[Point]) -> list[Point]:
+    """The points that fit the per-request terms, where no queueing blurs them: the concurrency-1 points if
+    there are any, else the lowest-rate open-loop (Poisson) point, else all."""
+    ones = [pt for pt in points if pt[0].get("concurrency") == 1]
+    if ones:
+        return ones
+    rates = [pt for pt in points if pt[0].get("request_rate")]
+    if rates:
+        low = min(pt[0]["request_rate"] for pt in rates)
+        return [pt for pt in rates if pt[0]["request_rate"] == low]
+    return points
+
+
+def response_tail(trace: Path) -> float:
+    """Median time from a request's last streamed chunk to the end of its response (one chunk a token)."""
+    df = pd.read_csv(trace)
+    need = {"ttft", "e2el", "itl_mean", "output_tokens"}
+    if not need <= set(df.columns):
+        raise ConfigError(f"{trace}: a bench records file needs columns {sorted(need)}")
+    df = df.dropna(subset=list(need))
+    df = df[df["output_tokens"] > 1]
+    if df.empty:
+        return 0.0
+    tail = df["e2el"] - df["ttft"] - (df["output_tokens"] - 1) * df["itl_mean"]
+    return max(0.0, float(np.median(tail)))
+
+
+def _residual_fit(name: str, prof: Profile, fleet: FleetConfig, points: list[Point], metric: str, seed: int,
+                  log: Callable[[str], None]) -> tuple[float, list[dict[str, Any]]]:
+    """Least squares of a constant: the mean over `points` of measured - simulated `metric`, clipped at 0."""
+    rows = []
+    for point, trace in points:
+        s = fleet_summary(simulate(prof, fleet, replay(trace, seed=seed), seed))
+        if point.get(metric) is None or s[metric] is None:
+            continue
+        rows.append({"term": name, "concurrency": point.get("concurrency"), "request_rate": point.get("request_rate"),
+                     "metric": metric, "measured_s": point[metric], "simulated_s": s[metric],
+                     "residual_s": point[metric] - s[metric]})
+        log(f"  {name}: {metric} measured {point[metric] * 1e3:.1f} ms, simulated {s[metric] * 1e3:.1f} ms")
+    if not rows:
+        raise ConfigError(f"calibrating {name} needs a measured point with a {metric}")
+    value = max(0.0, float(np.mean([r["residual_s"] for r in rows])))
+    log(f"  -> {name} = {value * 1e3:.2f} ms")
+    return value, rows
+
+
+def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: int = 0, rounds: int = 6,
+              cluster: tuple[list[Path], FleetConfig] | None = None,
+              split: tuple[list[Path], FleetConfig] | None = None,
+              log: Callable[[str], None] = lambda m: None) -> Profile:
+    """Fit the module docstring's terms: `folders` of the single server (`fleet`), then optionally the
+    router terms from `cluster`'s and the handoff from `split`'s measured folders (their light points)."""
+    points = [pt for folder in folders for pt in bench_points(folder) if pt[0].get("tpot_s_median") is not None]
     if len(points) < 2:
         raise ConfigError("calibration needs at least two measured points with a TPOT (e.g. concurrency 1 and 8)")
-    requests = [replay(trace, seed=seed) for _, trace in points]
-    a = b = 0.0
+    requests: list[list[SimRequest]] = [replay(trace, seed=seed) for _, trace in points]
+    lights = light(points)
+    response = float(np.mean([response_tail(trace) for _, trace in lights]))
+    a = b = req = 0.0
     used: list[dict[str, Any]] = []
     for _ in range(rounds):
-        cur = replace(profile, overhead_step_s=a, overhead_row_s=b)
-        xs, ys, used = [], [], []
+        cur = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
+                      router_hop_s=0.0, router_token_s=0.0, handoff_s=0.0)
+        xs, ys, used, gaps = [], [], [], []
         for (point, _), reqs in zip(points, requests):
             s = fleet_summary(simulate(cur, fleet, reqs, seed))
             if s["tpot_s_median"] is None:
@@ -66,10 +134,43 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
             rows = s["running_mean"]
             xs.append([1.0, rows])
             ys.append(point["tpot_s_median"] - (s["tpot_s_median"] - a - b * rows))
+            if any(point is p for p, _ in lights) and s["ttft_s_median"] is not None:
+                gaps.append(point["ttft_s_median"] - (s["ttft_s_median"] - req))
             used.append({"concurrency": point.get("concurrency"), "request_rate": point.get("request_rate"),
-                         "measured_tpot_s": point["tpot_s_median"], "simulated_tpot_s": s["tpot_s_median"], "rows": rows})
+                         "measured_tpot_s": point["tpot_s_median"], "simulated_tpot_s": s["tpot_s_median"],
+                         "measured_ttft_s": point["ttft_s_median"], "simulated_ttft_s": s["ttft_s_median"],
+                         "rows": rows})
         if len(xs) < 2:
             raise ConfigError("calibration needs at least two measured points the simulation gives a TPOT for")
         a, b = (float(v) for v in nnls(np.array(xs), np.array(ys)))
-    return replace(profile, overhead_step_s=a, overhead_row_s=b,
-                   calibration={"points": used, "folders": [str(f) for f in folders], "fleet_workers": fleet.workers})
+        req = max(0.0, float(np.mean(gaps))) if gaps else 0.0
+    out = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
+                  router_hop_s=0.0, router_token_s=0.0, handoff_s=0.0)
+    log(f"single server: {a * 1e3:.2f} ms/step + {b * 1e3:.3f} ms/row; request {req * 1e3:.1f} ms, "
+        f"response {response * 1e3:.1f} ms, from {len(used)} points")
+    fits: list[dict[str, Any]] = []
+    if cluster is not None:
+        pts = light([pt for f in cluster[0] for pt in bench_points(f)])
+        tok, r1 = _residual_fit("router_token_s", out, cluster[1], pts, "tpot_s_median", seed, log)
+        out = replace(out, router_token_s=tok)
+        hop, r2 = _residual_fit("router_hop_s", out, cluster[1], pts, "ttft_s_median", seed, log)
+        out = replace(out, router_hop_s=hop)
+        fits += r1 + r2
+    if split is not None:
+        if split[1].prefill_workers < 1:
+            raise ConfigError("the split calibration fleet needs prefill workers")
+        pts = light([pt for f in split[0] for pt in bench_points(f)])
+        handoff, r3 = _residual_fit("handoff_s", out, split[1], pts, "ttft_s_median", seed, log)
+        out = replace(out, handoff_s=handoff)
+        fits += r3
+    return replace(out, calibration={"points": used, "residual_fits": fits, "folders": [str(f) for f in folders],
+                                     "fleet_workers": fleet.workers,
+                                     "cluster_folders": [str(f) for f in cluster[0]] if cluster else [],
+                                     "split_folders": [str(f) for f in split[0]] if split else []})
+
+
+def overheads_line(prof: Profile) -> str:
+    """The calibrated terms in one line (milliseconds)."""
+    return (f"{prof.overhead_step_s * 1e3:.2f} ms/step + {prof.overhead_row_s * 1e3:.3f} ms/row; per request "
+            f"{prof.request_s * 1e3:.1f} ms in + {prof.response_s * 1e3:.1f} ms out; router {prof.router_hop_s * 1e3:.1f} "
+            f"ms/request + {prof.router_token_s * 1e3:.2f} ms/token; split handoff +{prof.handoff_s * 1e3:.1f} ms")

@@ -84,6 +84,11 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     ca.add_argument("--profile", type=Path, required=True)
     ca.add_argument("--bench", type=Path, nargs="+", required=True, help="`bench serve` results folders")
     ca.add_argument("--workers", type=int, default=1, help="workers of the measured server (1: `serve`)")
+    ca.add_argument("--cluster-bench", type=Path, nargs="+", default=None,
+                    help="`bench serve` folders of a cluster behind the router at light load: fits the router terms")
+    ca.add_argument("--cluster-workers", type=int, default=2, help="workers of that cluster")
+    ca.add_argument("--split-bench", type=Path, nargs="+", default=None,
+                    help="`bench serve` folders of a 1 prefill + 1 decode cluster at light load: fits the handoff")
     ca.add_argument("--seed", type=int, default=0)
     ca.add_argument("--out", type=Path, required=True, help="the calibrated profile")
     ca.set_defaults(func=_calibrate)
@@ -171,14 +176,17 @@ def _hardware(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from tokenloom.plan.calibrate import calibrate
+    from tokenloom.plan.calibrate import calibrate, overheads_line
     from tokenloom.plan.profile_file import Profile
     from tokenloom.plan.simulator import FleetConfig
 
-    prof = calibrate(Profile.load(args.profile), args.bench, FleetConfig(workers=args.workers), args.seed)
+    cluster = (args.cluster_bench, FleetConfig(workers=args.cluster_workers, router=True)) if args.cluster_bench else None
+    split = (args.split_bench, FleetConfig(workers=1, prefill_workers=1)) if args.split_bench else None
+    prof = calibrate(Profile.load(args.profile), args.bench, FleetConfig(workers=args.workers), args.seed,
+                     cluster=cluster, split=split, log=print)
     prof.save(args.out)
-    print(f"serving overhead: {prof.overhead_step_s * 1e3:.2f} ms per step + {prof.overhead_row_s * 1e3:.3f} ms per "
-          f"row, from {len(prof.calibration['points'])} measured points -> {args.out}")
+    print(f"serving overhead: {overheads_line(prof)}, from {len(prof.calibration['points'])} measured points "
+          f"-> {args.out}")
     return 0
 
 

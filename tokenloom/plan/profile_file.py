@@ -13,6 +13,9 @@ from tokenloom.errors import ConfigError
 from tokenloom.plan.cost_model import LinearStepCost, StepCost
 
 MEASURED = "measured"
+# The serving-time terms `plan calibrate` fits (seconds), beside the engine step's cost.
+OVERHEADS = ("overhead_step_s", "overhead_row_s", "request_s", "response_s", "router_hop_s", "router_token_s",
+             "handoff_s")
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,19 @@ class Profile:
     overhead_step_s: float = 0.0
     overhead_row_s: float = 0.0
     calibration: dict[str, Any] = field(default_factory=dict)
+    # Per-request serving time that does not hold the engine (seconds; 0 unless calibrated):
+    # request_s: arrival -> enqueue in the scheduler (HTTP parsing, tokenization, stream set-up);
+    # response_s: last token -> end of the response (the final chunk, [DONE], closing the stream).
+    request_s: float = 0.0
+    response_s: float = 0.0
+    # Fleets behind a router (a `tokenloom cluster`: a separate Python process that proxies every stream):
+    # router_hop_s once per request (its HTTP parse, routing, the connection to the worker);
+    # router_token_s per streamed token, on the CPU the workers share (see simulator.SimWorker).
+    router_hop_s: float = 0.0
+    router_token_s: float = 0.0
+    # Split fleets: the prefill -> decode handoff beyond bytes / link bandwidth (the prefill HTTP round
+    # trip, KV export and import, the ZeroMQ send, the decode request's set-up).
+    handoff_s: float = 0.0
 
     def step_time(self, rows: list[tuple[int, int]]) -> float:
         """One simulated step: the engine step's cost plus the serving overhead."""
@@ -44,16 +60,17 @@ class Profile:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"profile: {name} must be a positive integer, got {v!r}")
-        if self.overhead_step_s < 0 or self.overhead_row_s < 0:
-            raise ConfigError("profile: serving overheads must be >= 0")
+        for name in OVERHEADS:
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise ConfigError(f"profile: {name} must be a finite number >= 0, got {v!r}")
 
     def to_json(self) -> dict[str, Any]:
         return {"source": self.source, "model": self.model, "cost": self.cost.to_json(), "block_size": self.block_size,
                 "num_blocks": self.num_blocks, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
                 "max_model_len": self.max_model_len, "windows": list(self.windows), "machine": self.machine,
-                "fit": self.fit, "overhead_step_s": self.overhead_step_s, "overhead_row_s": self.overhead_row_s,
-                "calibration": self.calibration}
+                "fit": self.fit, **{k: getattr(self, k) for k in OVERHEADS}, "calibration": self.calibration}
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +91,7 @@ class Profile:
         return cls(d["source"], d["model"], cost, int(d["block_size"]), int(d["num_blocks"]),
                    float(d["kv_bytes_per_token"]), int(d["max_num_seqs"]), int(d["max_num_batched_tokens"]),
                    int(d["max_model_len"]), tuple(d.get("windows", [None])), d.get("machine", {}), d.get("fit", {}),
-                   float(d.get("overhead_step_s", 0.0)), float(d.get("overhead_row_s", 0.0)), d.get("calibration", {}))
+                   calibration=d.get("calibration", {}), **{k: float(d.get(k, 0.0)) for k in OVERHEADS})
 
     @classmethod
     def load(cls, path: Path) -> Profile:

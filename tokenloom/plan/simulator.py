@@ -8,8 +8,7 @@ every row whose step reached the end of its known tokens (the runner's rule: a p
 mid-prompt samples nothing). Prefix-cache hits, preemption (recomputation) and chunked prefill therefore
 happen exactly as in the engine: it is the engine's code. What the simulation leaves out: stop strings
 and EOS (a request ends at its output length, as `bench serve` asks with ignore_eos), speculative
-decoding, HTTP and detokenization time (part of the measured `fixed` cost only as far as the profile's
-engine steps include them).
+decoding, and any serving time beyond the calibrated terms below.
 
 Routing: colocated fleets choose a worker with tokenloom.router.policies (the router's own classes, over
 the router's Worker records). Split fleets do what router/disagg.py does: choose the decode worker, then
@@ -17,6 +16,13 @@ a prefill worker (its own policy instance); the prefill worker computes the prom
 its full blocks (bytes = blocks * block_size * kv_bytes_per_token, time = bytes / link bandwidth + latency),
 the decode worker enters them in its prefix cache (the pool calls of disagg/blocks.py's import_prefix)
 and then serves the request, finding the prompt cached.
+
+Per-request serving time (the profile's calibrated terms, 0 in a bare profile) delays a request without
+holding an engine: it reaches its worker's scheduler `request_s` after it arrives (plus `router_hop_s`
+behind a router), and its response ends `response_s` after its last token. A split fleet's handoff takes
+bytes / link bandwidth + link latency + the profile's `handoff_s`. Behind a router, every streamed token
+also costs `router_token_s` of CPU that the router takes from the cores the workers run on (on the
+measured machine all processes share them), so it lengthens the step that produced the token.
 """
 
 from __future__ import annotations
@@ -56,7 +62,8 @@ class FleetConfig:
     max_num_batched_tokens: int | None = None  # the prefill chunk: None: the profile's
     enable_prefix_caching: bool = True
     link_bandwidth: float = 10e9  # bytes/s of a prefill -> decode KV transfer
-    link_latency_s: float = 1e-3  # per transfer (connection, signing, import)
+    link_latency_s: float = 1e-3  # per transfer (connection, signing); the profile's handoff_s adds to it
+    router: bool | None = None  # behind a router (`tokenloom cluster`); None: when workers > 1 or split
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -75,6 +82,10 @@ class FleetConfig:
     @property
     def num_devices(self) -> int:
         return self.workers + self.prefill_workers
+
+    @property
+    def behind_router(self) -> bool:
+        return self.router if self.router is not None else (self.workers > 1 or self.prefill_workers > 0)
 
 
 class LengthOutput(OutputProcessor):
@@ -125,6 +136,8 @@ class SimWorker:
         self.steps = 0
         self.busy_s = 0.0
         self.samples: list[tuple[int, int, float]] = []  # per step: (waiting, running, KV usage)
+        # The router's CPU per token this worker streams through it (a prefill worker streams none).
+        self.token_s = profile.router_token_s if fleet.behind_router and role != "prefill" else 0.0
 
     def start_step(self) -> float | None:
         """Schedule a step; its duration, or None when there is nothing to run."""
@@ -140,7 +153,9 @@ class SimWorker:
         self.batch = batch
         rows = [(n, s.num_computed_tokens) for s, n in zip(batch.seqs, batch.num_new_tokens)]
         self.samples.append((self.scheduler.num_waiting, self.scheduler.num_running, self.kv.usage))
-        dt = self.profile.step_time(rows)
+        # Rows whose step reaches the end of their known tokens sample one token each (see finish_step).
+        streamed = sum(1 for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens)
+        dt = self.profile.step_time(rows) + self.token_s * streamed
         self.steps += 1
         self.busy_s += dt
         return dt
@@ -187,12 +202,12 @@ class SimWorker:
 @dataclass
 class SimResult:
     records: list[SimRecord]
-    duration: float  # simulated seconds from the first arrival to the last token
+    duration: float  # simulated seconds from the first arrival to the last response's end
     workers: list[SimWorker]
     fleet: FleetConfig
 
 
-_ARRIVE, _STEP_DONE, _KV_ARRIVED = 0, 1, 2
+_ARRIVE, _STEP_DONE, _KV_ARRIVED, _ENQUEUE = 0, 1, 2, 3
 
 
 class Simulation:
@@ -211,6 +226,8 @@ class Simulation:
         self._events: list[tuple[float, int, int, object]] = []
         self._order = itertools.count()
         self._arrivals = itertools.count()
+        # Arrival -> enqueue: the worker's HTTP layer, and the router's hop in front of it.
+        self.admit_s = profile.request_s + (profile.router_hop_s if fleet.behind_router else 0.0)
 
     def _push(self, t: float, kind: int, payload: object) -> None:
         heapq.heappush(self._events, (t, next(self._order), kind, payload))
@@ -238,6 +255,14 @@ class Simulation:
         if worker.batch is None:
             self._kick(worker, now)
 
+    def _admit(self, worker: SimWorker, seq: Sequence, now: float) -> None:
+        """Enqueue after the per-request serving time; at once without one (so that a request arriving with
+        a step's end joins the next step, as it did before the term existed)."""
+        if self.admit_s > 0:
+            self._push(now + self.admit_s, _ENQUEUE, (worker, seq))
+        else:
+            self._submit(worker, seq, now)
+
     def _kick(self, worker: SimWorker, now: float) -> None:
         dt = worker.start_step()
         if dt is not None:
@@ -255,6 +280,8 @@ class Simulation:
         while self._events:
             now, _, kind, payload = heapq.heappop(self._events)
             if kind == _ARRIVE:
+                # The router (or the server's HTTP layer) decides at arrival; the request reaches the
+                # scheduler after its per-request serving time, which holds no engine.
                 rec = payload  # type: ignore[assignment]
                 key = self._key(rec.request)
                 dw = self._choose(self.policy, self.decode, key)
@@ -267,11 +294,14 @@ class Simulation:
                     decode_of[id(rec)] = dw
                     seq = self._sequence(rec, 1, "p")
                     owner[id(seq)] = (rec, True)
-                    self._submit(pw, seq, now)
+                    self._admit(pw, seq, now)
                 else:
                     seq = self._sequence(rec, rec.request.output_len, "r")
                     owner[id(seq)] = (rec, False)
-                    self._submit(dw, seq, now)
+                    self._admit(dw, seq, now)
+            elif kind == _ENQUEUE:
+                target, seq = payload  # type: ignore[misc]
+                self._submit(target, seq, now)
             elif kind == _STEP_DONE:
                 worker: SimWorker = payload  # type: ignore[assignment]
                 sampled, finished = worker.finish_step()
@@ -289,24 +319,25 @@ class Simulation:
                     if prefill_only:
                         self._ship(rec, seq, decode_of.pop(id(rec)), now)
                     else:
-                        rec.end = now
+                        rec.end = now + self.profile.response_s
                         rec.cached_tokens = seq.num_cached_tokens or 0
                         rec.preemptions = seq.num_preemptions
                 self._kick(worker, now)
-            else:
+            else:  # _KV_ARRIVED
                 rec, dw = payload  # type: ignore[misc]
                 dw.import_prefix(rec.request.prompt_token_ids, rec.request.input_len // self.profile.block_size)
                 seq = self._sequence(rec, rec.request.output_len, "d")
                 owner[id(seq)] = (rec, False)
                 self._submit(dw, seq, now)
         start = min(r.request.arrival for r in records)
-        return SimResult(records, max(now - start, 1e-9), self.decode + self.prefill, self.fleet)
+        last = max([now] + [r.end for r in records if r.end is not None])
+        return SimResult(records, max(last - start, 1e-9), self.decode + self.prefill, self.fleet)
 
     def _ship(self, rec: SimRecord, seq: Sequence, dw: SimWorker, now: float) -> None:
         """A prefill finished: its full blocks travel to the decode worker (whose request was counted as
         outstanding there since it arrived, as the router does)."""
         nbytes = (rec.request.input_len // self.profile.block_size) * self.profile.block_size * self.profile.kv_bytes_per_token
-        rec.kv_transfer_s = nbytes / self.fleet.link_bandwidth + self.fleet.link_latency_s
+        rec.kv_transfer_s = nbytes / self.fleet.link_bandwidth + self.fleet.link_latency_s + self.profile.handoff_s
         self._push(now + rec.kv_transfer_s, _KV_ARRIVED, (rec, dw))
 
     @staticmethod
