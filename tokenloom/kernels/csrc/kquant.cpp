@@ -31,7 +31,8 @@
 //                16 inputs, Q5_0's 16 starts the dot product from -16 times x's sums per 4.
 //                More rows (batched decode and verification): qtile.h, 16 rows of W decoded by the same
 //                decoders into a cache-resident tile of 16 channels per vpdpbusd lane, dotted with all M
-//                rows of x, 4 rows by 2 tiles per pass (no vpmulld: the sub-block scales apply once per 16 or 32 inputs).
+//                rows of x, 4 rows by 2 tiles per pass (Q4_K/Q5_K/Q5_0: float scales once per 32 inputs; Q6_K: its int8
+//                sub-scales per 16 by vpmulld, float once per 32).
 //   2 "avx512"   the weight decoded to bfloat16 (the same AVX-512 decoders, d sc q - m rounded to bf16 once),
 //                kExpandBytes at a time, then one oneDNN matmul (at::linear) over all M rows: prefill chunks
 //                and large decode batches, where the expansion is paid once for many rows.
@@ -487,10 +488,11 @@ void skinny_kquant(int64_t qtype, const uint8_t* blocks, int64_t row_bytes, int6
 
 // The rows [n0, n0 + r) of W -> a qtile tile: each 64 inputs' codes of the 16 rows, decoded as above,
 // transposed to steps of 4 inputs x 16 channels; the sub-block scales and zero points made float
-// (Q4_K / Q5_K: d sc and -dmin m per 32 inputs; Q6_K: d sc and -32 d sc per 16; Q5_0: d and -16 d per 32).
+// (Q4_K / Q5_K: d sc and -dmin m per 32 inputs; Q5_0: d and -16 d per 32), except Q6_K's: its int8
+// sub-scales per 16 stay integers (isc, zero code 32: qtile::Shape::zcode) and only d (per 256) is float.
 template <int64_t QT>
 qtile::Tile fill_kquant(const uint8_t* blocks, int64_t row_bytes, int64_t N, int64_t K, int64_t n0, int64_t r,
-                        uint8_t* codes, float* scale, float* zp) {
+                        uint8_t* codes, float* scale, float* zp, int32_t* isc) {
   constexpr int64_t C = qtile::kCh;
   for (int64_t j = 0; j < C && n0 + C + j < N; ++j) qtile::prefetch_l2(blocks + (n0 + C + j) * row_bytes, row_bytes);
   if constexpr (QT == kQ5_0) {
@@ -522,18 +524,20 @@ qtile::Tile fill_kquant(const uint8_t* blocks, int64_t row_bytes, int64_t N, int
         float* zp_j = zp + i * subs * C + j;
         if (j >= r) {
           for (int v = 0; v < 4; ++v) u[j][v] = _mm512_setzero_si512();
-          for (int t = 0; t < subs; ++t) sc_j[t * C] = zp_j[t * C] = 0.f;
+          if constexpr (QT == kQ6_K) {
+            scale[i * C + j] = 0.f;
+            for (int t = 0; t < 16; ++t) isc[(i * 16 + t) * C + j] = 0;
+          } else {
+            for (int t = 0; t < subs; ++t) sc_j[t * C] = zp_j[t * C] = 0.f;
+          }
           continue;
         }
         const uint8_t* p = blocks + (n0 + j) * row_bytes + i * type_size;
-        if constexpr (QT == kQ6_K) {
+        if constexpr (QT == kQ6_K) {  // scale (K / 256, 16): d; isc (K / 16, 16): sc
           codes_q6k(p, u[j]);
           const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
-          const float d = f16_at(p + 208);
-          for (int t = 0; t < 16; ++t) {
-            sc_j[t * C] = d * static_cast<float>(sc[t]);
-            zp_j[t * C] = -32.f * sc_j[t * C];
-          }
+          scale[i * C + j] = f16_at(p + 208);
+          for (int t = 0; t < 16; ++t) isc[(i * 16 + t) * C + j] = sc[t];
         } else {
           uint8_t sm[16];
           k4_scales(p + 4, sm);
@@ -554,16 +558,16 @@ qtile::Tile fill_kquant(const uint8_t* blocks, int64_t row_bytes, int64_t N, int
       }
     }
   }
-  return {codes, scale, zp};
+  return {codes, scale, zp, isc};
 }
 
 at::Tensor tile_kquant(int64_t qtype, const at::Tensor& x, const uint8_t* blocks, int64_t row_bytes, int64_t N,
                        int64_t K, const c10::BFloat16* bias) {
   const int64_t gs = qtype == kQ6_K ? 16 : 32;
-  const qtile::Shape s{N, K, (K + 63) / 64 * 64, gs, K / gs};
+  const qtile::Shape s{N, K, (K + 63) / 64 * 64, gs, K / gs, qtype == kQ6_K ? 32 : 0};
   auto run = [&]<int64_t QT>() {
-    return qtile::linear(x, s, bias, [&](int64_t n0, int64_t r, uint8_t* codes, float* scale, float* zp) {
-      return fill_kquant<QT>(blocks, row_bytes, N, K, n0, r, codes, scale, zp);
+    return qtile::linear(x, s, bias, [&](int64_t n0, int64_t r, uint8_t* codes, float* scale, float* zp, int32_t* isc) {
+      return fill_kquant<QT>(blocks, row_bytes, N, K, n0, r, codes, scale, zp, isc);
     });
   };
   switch (qtype) {
