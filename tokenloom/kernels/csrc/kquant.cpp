@@ -23,7 +23,7 @@
 //     bit j of qh element j's fifth bit. Stored as planes: row = d[nb] | qh[nb] | qs[nb] (nb = K / 32)
 //
 // Routes (kquant_routes() lists those compiled in; `route` forces one, for tests and benchmarks):
-//   1 "vnni"     AVX512-VNNI. Up to kSkinnyMaxRows rows (decode, speculative verification): each weight byte
+//   1 "vnni"     AVX512-VNNI. Up to 6 or 7 rows (tile_min_rows; decode, speculative verification): each weight byte
 //                read once and dotted with all M rows of x, per row of W. x is quantized like llama.cpp's Q8_0
 //                activations: int8 per 32 inputs, xq = round(x / dx), dx = max |x| / 127, so that one
 //                vpdpbusd multiplies 64 codes by 64 xq. The K-quants' integer sub-block scales multiply the
@@ -586,6 +586,15 @@ T* scratch(std::vector<T>& buf, int64_t n) {
   return buf.data();
 }
 
+// The vnni route's first row count served by the tiles rather than the few-row kernels. The few-row
+// kernels' float work is per 64 inputs per row of x and of W (vpmulld, conversion, FMA for each vpdpbusd),
+// the tiles' per 32 inputs per row of x and 16 of W, but the tiles pay a decode and 16 x 16 transpose per
+// call: measured on Zen 4 (docs/benchmarks.md#k-quants-at-2-64-rows), they win from 8 rows, Q5_0 (the
+// dearest few-row kernel: its two blocks' d per 64 inputs) from 7.
+inline int64_t tile_min_rows(int64_t qtype) {
+  return std::min<int64_t>(qtype == kQ5_0 ? 7 : 8, kSkinnyMaxRows + 1);
+}
+
 bool route_compiled(int64_t route) {
   switch (route) {
 #ifdef TOKENLOOM_KQ_VNNI
@@ -662,7 +671,7 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   const auto* wb = blocks.data_ptr<uint8_t>();
   if (route != kVnni) return expanded(qtype, xc, wb, blocks.size(1), N, K, bias, route == kAvx512);
 #ifdef TOKENLOOM_KQ_VNNI
-  if (M > kSkinnyMaxRows) return tile_kquant(qtype, xc, wb, blocks.size(1), N, K, b);
+  if (M >= tile_min_rows(qtype)) return tile_kquant(qtype, xc, wb, blocks.size(1), N, K, b);
   const int64_t Kp = (K + 63) / 64 * 64;
   thread_local std::vector<int8_t> xq_buf;
   thread_local std::vector<float> dl_buf, s_buf;
