@@ -495,6 +495,9 @@ qtile::Tile fill_kquant(const uint8_t* blocks, int64_t row_bytes, int64_t N, int
                         uint8_t* codes, float* scale, float* zp, int32_t* isc) {
   constexpr int64_t C = qtile::kCh;
   for (int64_t j = 0; j < C && n0 + C + j < N; ++j) qtile::prefetch_l2(blocks + (n0 + C + j) * row_bytes, row_bytes);
+  // The scales, like the codes, are read per channel and transposed 16 x 16 dwords (channel j's 16 values
+  // -> lane j of 16 vectors): a few vector ops per channel instead of 16 to 32 scalar strided stores, which
+  // cost the fill about as much as its codes (the fill is most of a tile's time at 8 to 16 rows).
   if constexpr (QT == kQ5_0) {
     const int64_t nb = K / 32;
     for (int64_t b = 0; b < nb; b += 2) {
@@ -508,46 +511,56 @@ qtile::Tile fill_kquant(const uint8_t* blocks, int64_t row_bytes, int64_t N, int
       qtile::transpose16(v);
       for (int l = 0; l < 16; ++l) _mm512_storeu_si512(codes + (b / 2 * 16 + l) * 64, v[l]);
     }
-    for (int64_t j = 0; j < C; ++j)
-      for (int64_t t = 0; t < nb; ++t) {
-        const float d = j < r ? f16_at(blocks + (n0 + j) * row_bytes + 2 * t) : 0.f;
-        scale[t * C + j] = d;
-        zp[t * C + j] = -16.f * d;
+    for (int64_t t0 = 0; t0 < nb; t0 += 16) {  // 16 blocks' d (float16, the d plane) of each channel
+      const int64_t nt = std::min<int64_t>(16, nb - t0);
+      const __mmask16 kt = static_cast<__mmask16>((1u << nt) - 1);
+      __m512i v[16];
+      for (int64_t j = 0; j < C; ++j)
+        v[j] = j >= r ? _mm512_setzero_si512()
+                      : _mm512_castps_si512(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(kt, blocks + (n0 + j) * row_bytes + 2 * t0)));
+      qtile::transpose16(v);
+      for (int64_t t = 0; t < nt; ++t) {
+        const __m512 d = _mm512_castsi512_ps(v[t]);
+        _mm512_storeu_ps(scale + (t0 + t) * C, d);
+        _mm512_storeu_ps(zp + (t0 + t) * C, _mm512_mul_ps(d, _mm512_set1_ps(-16.f)));
       }
+    }
   } else {
-    constexpr int64_t subs = QT == kQ6_K ? 16 : 8;  // scale groups per superblock
     const int64_t type_size = QT == kQ6_K ? 210 : QT == kQ5_K ? 176 : 144;
     for (int64_t i = 0; i < K / 256; ++i) {
       __m512i u[16][4];
+      __m512i sv[16];  // channel j's scales: Q6_K int32 sc[0..15]; Q4_K/Q5_K float d sc[0..7], -dmin m[0..7]
+      alignas(64) float d6[16];  // Q6_K: each channel's d
       for (int64_t j = 0; j < C; ++j) {
-        float* sc_j = scale + i * subs * C + j;
-        float* zp_j = zp + i * subs * C + j;
         if (j >= r) {
           for (int v = 0; v < 4; ++v) u[j][v] = _mm512_setzero_si512();
-          if constexpr (QT == kQ6_K) {
-            scale[i * C + j] = 0.f;
-            for (int t = 0; t < 16; ++t) isc[(i * 16 + t) * C + j] = 0;
-          } else {
-            for (int t = 0; t < subs; ++t) sc_j[t * C] = zp_j[t * C] = 0.f;
-          }
+          sv[j] = _mm512_setzero_si512();
+          d6[j] = 0.f;
           continue;
         }
         const uint8_t* p = blocks + (n0 + j) * row_bytes + i * type_size;
-        if constexpr (QT == kQ6_K) {  // scale (K / 256, 16): d; isc (K / 16, 16): sc
+        if constexpr (QT == kQ6_K) {
           codes_q6k(p, u[j]);
-          const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
-          scale[i * C + j] = f16_at(p + 208);
-          for (int t = 0; t < 16; ++t) isc[(i * 16 + t) * C + j] = sc[t];
+          sv[j] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+          d6[j] = f16_at(p + 208);
         } else {
-          uint8_t sm[16];
+          alignas(16) uint8_t sm[16];
           k4_scales(p + 4, sm);
-          const float d = f16_at(p), dmin = f16_at(p + 2);
-          for (int t = 0; t < 8; ++t) {
-            sc_j[t * C] = d * static_cast<float>(sm[t]);
-            zp_j[t * C] = -dmin * static_cast<float>(sm[8 + t]);
-          }
+          const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sm))));
+          const __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16_at(p)), _mm512_set1_ps(-f16_at(p + 2)));
+          sv[j] = _mm512_castps_si512(_mm512_mul_ps(f, dd));
           if constexpr (QT == kQ4_K) codes_k4(p + 16, u[j]);
           else codes_k5(p + 16, p + 48, u[j]);
+        }
+      }
+      qtile::transpose16(sv);  // sv[t] lane j: channel j's value t
+      if constexpr (QT == kQ6_K) {  // scale (K / 256, 16): d; isc (K / 16, 16): sc
+        _mm512_storeu_ps(scale + i * C, _mm512_load_ps(d6));
+        for (int t = 0; t < 16; ++t) _mm512_storeu_si512(isc + (i * 16 + t) * C, sv[t]);
+      } else {  // scale, zp (K / 32, 16)
+        for (int t = 0; t < 8; ++t) {
+          _mm512_storeu_si512(scale + (i * 8 + t) * C, sv[t]);
+          _mm512_storeu_si512(zp + (i * 8 + t) * C, sv[8 + t]);
         }
       }
       for (int v = 0; v < 4; ++v) {
