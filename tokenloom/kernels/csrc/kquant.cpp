@@ -23,7 +23,7 @@
 //     bit j of qh element j's fifth bit. Stored as planes: row = d[nb] | qh[nb] | qs[nb] (nb = K / 32)
 //
 // Routes (kquant_routes() lists those compiled in; `route` forces one, for tests and benchmarks):
-//   1 "vnni"     AVX512-VNNI. Up to 6 or 7 rows (tile_min_rows; decode, speculative verification): each weight byte
+//   1 "vnni"     AVX512-VNNI. Up to 3 or 4 rows (tile_min_rows; decode, speculative verification): each weight byte
 //                read once and dotted with all M rows of x, per row of W. x is quantized like llama.cpp's Q8_0
 //                activations: int8 per 32 inputs, xq = round(x / dx), dx = max |x| / 127, so that one
 //                vpdpbusd multiplies 64 codes by 64 xq. The K-quants' integer sub-block scales multiply the
@@ -602,10 +602,10 @@ T* scratch(std::vector<T>& buf, int64_t n) {
 // The vnni route's first row count served by the tiles rather than the few-row kernels. The few-row
 // kernels' float work is per 64 inputs per row of x and of W (vpmulld, conversion, FMA for each vpdpbusd),
 // the tiles' per 32 inputs per row of x and 16 of W, but the tiles pay a decode and 16 x 16 transpose per
-// call: measured on Zen 4 (docs/benchmarks.md#k-quants-at-2-64-rows), they win from 8 rows, Q5_0 (the
-// dearest few-row kernel: its two blocks' d per 64 inputs) from 7.
+// call: measured on Zen 4 (docs/benchmarks.md#k-quants-at-2-64-rows), they win from 5 rows, Q5_0 (the
+// dearest few-row kernel: its two blocks' d per 64 inputs) from 4.
 inline int64_t tile_min_rows(int64_t qtype) {
-  return std::min<int64_t>(qtype == kQ5_0 ? 7 : 8, kSkinnyMaxRows + 1);
+  return std::min<int64_t>(qtype == kQ5_0 ? 4 : 5, kSkinnyMaxRows + 1);
 }
 
 bool route_compiled(int64_t route) {
