@@ -23,7 +23,7 @@
 //     bit j of qh element j's fifth bit. Stored as planes: row = d[nb] | qh[nb] | qs[nb] (nb = K / 32)
 //
 // Routes (kquant_routes() lists those compiled in; `route` forces one, for tests and benchmarks):
-//   1 "vnni"     AVX512-VNNI. Up to 3 or 4 rows (tile_min_rows; decode, speculative verification): each weight byte
+//   1 "vnni"     AVX512-VNNI. Up to 4 or 5 rows (tile_min_rows; decode, speculative verification): each weight byte
 //                read once and dotted with all M rows of x, per row of W. x is quantized like llama.cpp's Q8_0
 //                activations: int8 per 32 inputs, xq = round(x / dx), dx = max |x| / 127, so that one
 //                vpdpbusd multiplies 64 codes by 64 xq. The K-quants' integer sub-block scales multiply the
@@ -494,7 +494,9 @@ template <int64_t QT>
 qtile::Tile fill_kquant(const uint8_t* blocks, int64_t row_bytes, int64_t N, int64_t K, int64_t n0, int64_t r,
                         uint8_t* codes, float* scale, float* zp, int32_t* isc) {
   constexpr int64_t C = qtile::kCh;
-  for (int64_t j = 0; j < C && n0 + C + j < N; ++j) qtile::prefetch_l2(blocks + (n0 + C + j) * row_bytes, row_bytes);
+  // Into L2 ahead: the rows of the tile filled after this pair (qtile::linear fills two tiles, then
+  // computes them): the tile right after this one is the pair's other, filled at once, too soon to wait for.
+  for (int64_t j = 0; j < C && n0 + 2 * C + j < N; ++j) qtile::prefetch_l2(blocks + (n0 + 2 * C + j) * row_bytes, row_bytes);
   // The scales, like the codes, are read per channel and transposed 16 x 16 dwords (channel j's 16 values
   // -> lane j of 16 vectors): a few vector ops per channel instead of 16 to 32 scalar strided stores, which
   // cost the fill about as much as its codes (the fill is most of a tile's time at 8 to 16 rows).
@@ -602,10 +604,11 @@ T* scratch(std::vector<T>& buf, int64_t n) {
 // The vnni route's first row count served by the tiles rather than the few-row kernels. The few-row
 // kernels' float work is per 64 inputs per row of x and of W (vpmulld, conversion, FMA for each vpdpbusd),
 // the tiles' per 32 inputs per row of x and 16 of W, but the tiles pay a decode and 16 x 16 transpose per
-// call: measured on Zen 4 (docs/benchmarks.md#k-quants-at-2-64-rows), they win from 5 rows, Q5_0 (the
-// dearest few-row kernel: its two blocks' d per 64 inputs) from 4.
+// call, which out of cache waits on 16 rows of W at once: measured on Zen 4 (docs/benchmarks.md, "K-quants
+// at 2 to 64 rows"), the tiles win from 5 rows in cache and from 6 out of it; Q5_0's few-row kernel (two
+// blocks' d per 64 inputs) is the dearest, so its tiles take over one row earlier.
 inline int64_t tile_min_rows(int64_t qtype) {
-  return std::min<int64_t>(qtype == kQ5_0 ? 4 : 5, kSkinnyMaxRows + 1);
+  return std::min<int64_t>(qtype == kQ5_0 ? 5 : 6, kSkinnyMaxRows + 1);
 }
 
 bool route_compiled(int64_t route) {
