@@ -11,7 +11,8 @@ serves. `--gguf-decode-step` times a Gemma 3 270M Q4_K_M decode step's linears o
 each its own weights, with the file's types) against the same in bf16.
 
 `--kquant-rows` times each K-quant / Q5_0 layer's vnni route against bf16 F.linear at 2048 x 2048,
-5632 x 2048 and 576 x 1536, alternating the two per round (the medians of the rounds' ratios).
+5632 x 2048 and 576 x 1536, alternating the two per round (the medians of the rounds' ratios); with
+`--kquant-layers 24`, out of cache: 24 different 2048 x 2048 layers per format in turn.
 
 `--decode-step` measures what a decode step pays instead: 30 layers' worth of SmolLM2's four linears,
 each its own weights (too many for the caches), called once each with --rows rows (each count in turn),
@@ -21,7 +22,7 @@ bytes read per second.
 
     python benchmarks/quant_kernels.py [--min-run-time 0.1] [--rows 1,64] [--decode-step [--rows 1,16,64]]
     python benchmarks/quant_kernels.py --gguf-types [--rows 1,4,8,64,256] | --gguf-decode-step
-    python benchmarks/quant_kernels.py --kquant-rows --rows 2,4,8,16,32,64 [--threads 1] [--rounds 5]
+    python benchmarks/quant_kernels.py --kquant-rows --rows 2,4,8,16,32,64 [--threads 1] [--rounds 5] [--kquant-layers 24]
 """
 
 from __future__ import annotations
@@ -267,6 +268,36 @@ def kquant_rows(rows: list[int], rounds: int) -> None:
             print(f"{qtype.name:5s} {n}x{k}: " + " ".join(cells), flush=True)
 
 
+def kquant_rows_out_of_cache(rows: list[int], layers: int, rounds: int) -> None:
+    """`layers` different 2048 x 2048 layers per format, called in turn (too many for the caches, as a
+    model's), each format's vnni route against bf16 as the engine runs 2+ rows (prepacked oneDNN)."""
+    from tokenloom.quant.kquant import KQUANT_TYPES, KQuantLinear
+
+    if "vnni" not in KQuantLinear.kernel_routes():
+        raise SystemExit("--kquant-layers needs the AVX512-VNNI kernels")
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    n = k = 2048
+    torch.manual_seed(0)
+    packed = [torch.ops.mkldnn._reorder_linear_weight((torch.randn(n, k) * 0.05).bfloat16(), 64) for _ in range(layers)]
+    fmts: dict[str, list[Callable[[torch.Tensor], object]]] = {
+        "bf16 packed": [lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed]}
+    for qtype in KQUANT_TYPES:
+        fmts[qtype.name] = [KQuantLinear(_gguf_blocks(qtype, n, k, seed=i), qtype, k, route="vnni") for i in range(layers)]
+    print(f"threads {torch.get_num_threads()}; {layers} layers of {n}x{k} in turn; us per layer (speed-up vs bf16 packed)")
+    for m in rows:
+        x = torch.randn(m, k).bfloat16()
+        times: dict[str, list[float]] = {name: [] for name in fmts}
+        for _ in range(rounds):
+            for name, fns in fmts.items():
+                t = clock()
+                for fn in fns:
+                    fn(x)
+                times[name].append((clock() - t) / layers * 1e6)
+        med = {name: statistics.median(v) for name, v in times.items()}
+        base = med["bf16 packed"]
+        print(f"M={m:<3d} " + "  ".join(f"{name} {us:.0f} ({base / us:.2f}x)" for name, us in med.items()), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--min-run-time", type=float, default=0.1)
@@ -277,12 +308,17 @@ def main() -> None:
     ap.add_argument("--kquant-rows", action="store_true",
                     help="each K-quant / Q5_0 vnni route vs bf16 at --rows (e.g. 2,4,8,16,32,64) on 2048-wide shapes")
     ap.add_argument("--rounds", type=int, default=5, help="--kquant-rows: paired rounds per cell")
+    ap.add_argument("--kquant-layers", type=int, default=0,
+                    help="--kquant-rows out of cache: this many 2048x2048 layers per format in turn (e.g. 24)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     if args.kquant_rows:
-        kquant_rows([int(r) for r in args.rows.split(",")], args.rounds)
+        if args.kquant_layers:
+            kquant_rows_out_of_cache([int(r) for r in args.rows.split(",")], args.kquant_layers, args.rounds)
+        else:
+            kquant_rows([int(r) for r in args.rows.split(",")], args.rounds)
         return
     if args.gguf_types:
         gguf_types([int(r) for r in args.rows.split(",")], args.min_run_time)
