@@ -22,7 +22,8 @@ bytes read per second.
 
     python benchmarks/quant_kernels.py [--min-run-time 0.1] [--rows 1,64] [--decode-step [--rows 1,16,64]]
     python benchmarks/quant_kernels.py --gguf-types [--rows 1,4,8,64,256] | --gguf-decode-step
-    python benchmarks/quant_kernels.py --kquant-rows --rows 2,4,8,16,32,64 [--threads 1] [--rounds 5] [--kquant-layers 24]
+    python benchmarks/quant_kernels.py --kquant-rows --rows 2,4,8,16,32,64 [--threads 1] [--rounds 5]
+                                       [--kquant-layers 24]
 """
 
 from __future__ import annotations
@@ -282,8 +283,10 @@ def kquant_rows_out_of_cache(rows: list[int], layers: int, rounds: int) -> None:
     fmts: dict[str, list[Callable[[torch.Tensor], object]]] = {
         "bf16 packed": [lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed]}
     for qtype in KQUANT_TYPES:
-        fmts[qtype.name] = [KQuantLinear(_gguf_blocks(qtype, n, k, seed=i), qtype, k, route="vnni") for i in range(layers)]
-    print(f"threads {torch.get_num_threads()}; {layers} layers of {n}x{k} in turn; us per layer (speed-up vs bf16 packed)")
+        fmts[qtype.name] = [KQuantLinear(_gguf_blocks(qtype, n, k, seed=i), qtype, k, route="vnni")
+                            for i in range(layers)]
+    print(f"threads {torch.get_num_threads()}; {layers} layers of {n}x{k} in turn; "
+          "us per layer (speed-up vs bf16 packed)")
     for m in rows:
         x = torch.randn(m, k).bfloat16()
         times: dict[str, list[float]] = {name: [] for name in fmts}
