@@ -10,6 +10,10 @@ kernel the engine's bf16 decode uses) and Q8_0; every kernel route of the build 
 serves. `--gguf-decode-step` times a Gemma 3 270M Q4_K_M decode step's linears out of cache (18 layers,
 each its own weights, with the file's types) against the same in bf16.
 
+`--kquant-rows` times each K-quant / Q5_0 layer's vnni route against bf16 F.linear at 2048 x 2048,
+5632 x 2048 and 576 x 1536, alternating the two per round (the medians of the rounds' ratios); with
+`--kquant-layers 24`, out of cache: 24 different 2048 x 2048 layers per format in turn.
+
 `--decode-step` measures what a decode step pays instead: 30 layers' worth of SmolLM2's four linears,
 each its own weights (too many for the caches), called once each with --rows rows (each count in turn),
 as the decode stack does; bf16 as the engine runs it (the skinny kernel for one row, oneDNN's prepacked
@@ -18,6 +22,8 @@ bytes read per second.
 
     python benchmarks/quant_kernels.py [--min-run-time 0.1] [--rows 1,64] [--decode-step [--rows 1,16,64]]
     python benchmarks/quant_kernels.py --gguf-types [--rows 1,4,8,64,256] | --gguf-decode-step
+    python benchmarks/quant_kernels.py --kquant-rows --rows 2,4,8,16,32,64 [--threads 1] [--rounds 5]
+                                       [--kquant-layers 24]
 """
 
 from __future__ import annotations
@@ -213,6 +219,88 @@ def gguf_decode_step(repeats: int = 5, steps: int = 20) -> None:
         _report_step(label, 12, step, nbytes, repeats, steps)
 
 
+def _paired_us(quant: Callable[[], object], bf16: Callable[[], object], rounds: int,
+               clock: Callable[[], float]) -> tuple[float, float, float]:
+    """Alternate the two (each ~10 ms of calls per round): (median quant us, median bf16 us, median of
+    the rounds' bf16 / quant). Pairing within a round keeps the ratio fair when others share the cores."""
+    quant(), bf16()
+    t = clock()
+    quant()
+    inner = max(1, int(0.01 / max(clock() - t, 1e-6)))
+    tq, tb = [], []
+    for _ in range(rounds):
+        for fn, out in ((quant, tq), (bf16, tb)):
+            t = clock()
+            for _ in range(inner):
+                fn()
+            out.append((clock() - t) / inner * 1e6)
+    return statistics.median(tq), statistics.median(tb), statistics.median(b / q for q, b in zip(tq, tb))
+
+
+# Llama-style 2048-wide layers (qkv/o, gate/up) and SmolLM2's mlp down (K = 1536: K-quants need K % 256 == 0)
+KQUANT_ROW_SHAPES = ((2048, 2048), (5632, 2048), (576, 1536))
+
+
+def kquant_rows(rows: list[int], rounds: int) -> None:
+    """Each K-quant / Q5_0 layer through its vnni route (few-row kernel, then qtile.h's tiles from
+    kquant.cpp's tile_min_rows) against bf16 F.linear (oneDNN) on the same shape, per row count. With one
+    thread the clock is the thread's CPU time (robust to other processes on the cores)."""
+    from tokenloom.quant.kquant import KQUANT_TYPES, KQuantLinear
+
+    if "vnni" not in KQuantLinear.kernel_routes():
+        raise SystemExit("--kquant-rows needs the AVX512-VNNI kernels")
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    print(f"threads {torch.get_num_threads()}; {rounds} paired rounds; us: vnni / bf16 F.linear = median "
+          "speed-up (and against bf16 as the engine runs 2+ rows: oneDNN's prepacked weight)")
+    torch.manual_seed(0)
+    for n, k in KQUANT_ROW_SHAPES:
+        w = (torch.randn(n, k) * 0.05).bfloat16()
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+        for qtype in KQUANT_TYPES:
+            layer = KQuantLinear(_gguf_blocks(qtype, n, k), qtype, k, route="vnni")
+            cells = []
+            for m in rows:
+                x = torch.randn(m, k).bfloat16()
+                q, b, ratio = _paired_us(lambda: layer(x), lambda: F.linear(x, w), rounds, clock)
+                _, bp, ratio_p = _paired_us(
+                    lambda: layer(x),
+                    lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), rounds, clock)
+                cells.append(f"M{m} {q:.0f}/{b:.0f}={ratio:.2f}x ({ratio_p:.2f}x)")
+            print(f"{qtype.name:5s} {n}x{k}: " + " ".join(cells), flush=True)
+
+
+def kquant_rows_out_of_cache(rows: list[int], layers: int, rounds: int) -> None:
+    """`layers` different 2048 x 2048 layers per format, called in turn (too many for the caches, as a
+    model's), each format's vnni route against bf16 as the engine runs 2+ rows (prepacked oneDNN)."""
+    from tokenloom.quant.kquant import KQUANT_TYPES, KQuantLinear
+
+    if "vnni" not in KQuantLinear.kernel_routes():
+        raise SystemExit("--kquant-layers needs the AVX512-VNNI kernels")
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    n = k = 2048
+    torch.manual_seed(0)
+    packed = [torch.ops.mkldnn._reorder_linear_weight((torch.randn(n, k) * 0.05).bfloat16(), 64) for _ in range(layers)]
+    fmts: dict[str, list[Callable[[torch.Tensor], object]]] = {
+        "bf16 packed": [lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed]}
+    for qtype in KQUANT_TYPES:
+        fmts[qtype.name] = [KQuantLinear(_gguf_blocks(qtype, n, k, seed=i), qtype, k, route="vnni")
+                            for i in range(layers)]
+    print(f"threads {torch.get_num_threads()}; {layers} layers of {n}x{k} in turn; "
+          "us per layer (speed-up vs bf16 packed)")
+    for m in rows:
+        x = torch.randn(m, k).bfloat16()
+        times: dict[str, list[float]] = {name: [] for name in fmts}
+        for _ in range(rounds):
+            for name, fns in fmts.items():
+                t = clock()
+                for fn in fns:
+                    fn(x)
+                times[name].append((clock() - t) / layers * 1e6)
+        med = {name: statistics.median(v) for name, v in times.items()}
+        base = med["bf16 packed"]
+        print(f"M={m:<3d} " + "  ".join(f"{name} {us:.0f} ({base / us:.2f}x)" for name, us in med.items()), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--min-run-time", type=float, default=0.1)
@@ -220,7 +308,21 @@ def main() -> None:
     ap.add_argument("--decode-step", action="store_true", help="time a decode step's worth of layers, out of cache")
     ap.add_argument("--gguf-types", action="store_true", help="the GGUF K-quant / Q5_0 kernels on Gemma 3's shapes")
     ap.add_argument("--gguf-decode-step", action="store_true", help="a Gemma 3 270M Q4_K_M decode step's linears")
+    ap.add_argument("--kquant-rows", action="store_true",
+                    help="each K-quant / Q5_0 vnni route vs bf16 at --rows (e.g. 2,4,8,16,32,64) on 2048-wide shapes")
+    ap.add_argument("--rounds", type=int, default=5, help="--kquant-rows: paired rounds per cell")
+    ap.add_argument("--kquant-layers", type=int, default=0,
+                    help="--kquant-rows out of cache: this many 2048x2048 layers per format in turn (e.g. 24)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    if args.kquant_rows:
+        if args.kquant_layers:
+            kquant_rows_out_of_cache([int(r) for r in args.rows.split(",")], args.kquant_layers, args.rounds)
+        else:
+            kquant_rows([int(r) for r in args.rows.split(",")], args.rounds)
+        return
     if args.gguf_types:
         gguf_types([int(r) for r in args.rows.split(",")], args.min_run_time)
         return

@@ -104,11 +104,12 @@ def _int8_x_oracle(layer: KQuantLinear, x: torch.Tensor) -> torch.Tensor:
     return xhat.double() @ layer.dequantize().double().T + bias
 
 
-@pytest.mark.parametrize("rows", [1, 3, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 16, 19, 64])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 16, 19, 64])
 @pytest.mark.parametrize("qtype", KQUANT_TYPES, ids=lambda q: q.name)
 def test_vnni_route_is_its_int8_activation_arithmetic(qtype: Q, rows: int) -> None:
-    """The vnni route multiplies int8 x by the codes (vpdpbusd), per row of W up to SKINNY_MAX_ROWS rows of x
-    and in 16-channel tiles beyond (19: a last pass of 3 rows; N = 37 and 19: partial tiles): it must match
+    """The vnni route multiplies int8 x by the codes (vpdpbusd), per row of W for 1 to 4 rows of x (Q4_K/Q5_K/
+    Q6_K: 5) and in 16-channel tiles beyond (kquant.cpp tile_min_rows; 19: a last pass of 3 rows; N = 37 and
+    19: partial tiles): it must match
     the model of that arithmetic to bf16 output rounding, tighter than it matches float x."""
     if "vnni" not in KQuantLinear.kernel_routes():
         pytest.skip("needs the AVX512-VNNI kernels")
@@ -122,6 +123,23 @@ def test_vnni_route_is_its_int8_activation_arithmetic(qtype: Q, rows: int) -> No
         tol = dict(rtol=2**-8, atol=1e-4 * oracle.abs().max().item())
         torch.testing.assert_close(got, oracle, **tol)
         assert not torch.allclose(got, exact, **tol)
+
+
+@pytest.mark.parametrize("rows", [2, 16])
+def test_q6k_integer_sub_scales_at_their_extremes(rows: int) -> None:
+    """Q6_K's tiles keep sc (q - 32) x in int32 (qtile.h dot_isub): sub-scales -128 and 127, codes all 0 or
+    all 63, x at +-127 steps, are the sums' largest magnitudes; they must still be the int8-x arithmetic."""
+    if "vnni" not in KQuantLinear.kernel_routes():
+        pytest.skip("needs the AVX512-VNNI kernels")
+    n, nb = 19, 3
+    raw = np.zeros((n, nb, 210), dtype=np.uint8)
+    raw[:, :, :192] = np.where(np.arange(n) % 2 == 0, 0, 0xFF)[:, None, None]  # q = 0 or 63 everywhere
+    raw[:, :, 192:208] = np.where(np.arange(16) % 2 == 0, -128, 127).astype(np.int8).view(np.uint8)
+    raw[:, :, 208:210] = np.array([1e-3], dtype=np.float16).view(np.uint8)
+    layer = KQuantLinear(torch.from_numpy(raw.reshape(n, -1)), Q.Q6_K, nb * 256, route="vnni")
+    x = torch.where(torch.arange(nb * 256) % 3 == 0, -3.0, 3.0).repeat(rows, 1).bfloat16()
+    got, oracle = layer(x).double(), _int8_x_oracle(layer, x)
+    torch.testing.assert_close(got, oracle, rtol=2**-8, atol=1e-4 * oracle.abs().max().item())
 
 
 @pytest.mark.parametrize("qtype", KQUANT_TYPES, ids=lambda q: q.name)

@@ -23,7 +23,7 @@
 //     bit j of qh element j's fifth bit. Stored as planes: row = d[nb] | qh[nb] | qs[nb] (nb = K / 32)
 //
 // Routes (kquant_routes() lists those compiled in; `route` forces one, for tests and benchmarks):
-//   1 "vnni"     AVX512-VNNI. Up to kSkinnyMaxRows rows (decode, speculative verification): each weight byte
+//   1 "vnni"     AVX512-VNNI. Up to 4 or 5 rows (tile_min_rows; decode, speculative verification): each weight byte
 //                read once and dotted with all M rows of x, per row of W. x is quantized like llama.cpp's Q8_0
 //                activations: int8 per 32 inputs, xq = round(x / dx), dx = max |x| / 127, so that one
 //                vpdpbusd multiplies 64 codes by 64 xq. The K-quants' integer sub-block scales multiply the
@@ -31,7 +31,8 @@
 //                16 inputs, Q5_0's 16 starts the dot product from -16 times x's sums per 4.
 //                More rows (batched decode and verification): qtile.h, 16 rows of W decoded by the same
 //                decoders into a cache-resident tile of 16 channels per vpdpbusd lane, dotted with all M
-//                rows of x, 4 rows by 2 tiles per pass (no vpmulld: the sub-block scales apply once per 16 or 32 inputs).
+//                rows of x, 4 rows by 2 tiles per pass (Q4_K/Q5_K/Q5_0: float scales once per 32 inputs; Q6_K: its int8
+//                sub-scales per 16 by vpmulld, float once per 32).
 //   2 "avx512"   the weight decoded to bfloat16 (the same AVX-512 decoders, d sc q - m rounded to bf16 once),
 //                kExpandBytes at a time, then one oneDNN matmul (at::linear) over all M rows: prefill chunks
 //                and large decode batches, where the expansion is paid once for many rows.
@@ -487,12 +488,18 @@ void skinny_kquant(int64_t qtype, const uint8_t* blocks, int64_t row_bytes, int6
 
 // The rows [n0, n0 + r) of W -> a qtile tile: each 64 inputs' codes of the 16 rows, decoded as above,
 // transposed to steps of 4 inputs x 16 channels; the sub-block scales and zero points made float
-// (Q4_K / Q5_K: d sc and -dmin m per 32 inputs; Q6_K: d sc and -32 d sc per 16; Q5_0: d and -16 d per 32).
+// (Q4_K / Q5_K: d sc and -dmin m per 32 inputs; Q5_0: d and -16 d per 32), except Q6_K's: its int8
+// sub-scales per 16 stay integers (isc, zero code 32: qtile::Shape::zcode) and only d (per 256) is float.
 template <int64_t QT>
 qtile::Tile fill_kquant(const uint8_t* blocks, int64_t row_bytes, int64_t N, int64_t K, int64_t n0, int64_t r,
-                        uint8_t* codes, float* scale, float* zp) {
+                        uint8_t* codes, float* scale, float* zp, int32_t* isc) {
   constexpr int64_t C = qtile::kCh;
-  for (int64_t j = 0; j < C && n0 + C + j < N; ++j) qtile::prefetch_l2(blocks + (n0 + C + j) * row_bytes, row_bytes);
+  // Into L2 ahead: the rows of the tile filled after this pair (qtile::linear fills two tiles, then
+  // computes them): the tile right after this one is the pair's other, filled at once, too soon to wait for.
+  for (int64_t j = 0; j < C && n0 + 2 * C + j < N; ++j) qtile::prefetch_l2(blocks + (n0 + 2 * C + j) * row_bytes, row_bytes);
+  // The scales, like the codes, are read per channel and transposed 16 x 16 dwords (channel j's 16 values
+  // -> lane j of 16 vectors): a few vector ops per channel instead of 16 to 32 scalar strided stores, which
+  // cost the fill about as much as its codes (the fill is most of a tile's time at 8 to 16 rows).
   if constexpr (QT == kQ5_0) {
     const int64_t nb = K / 32;
     for (int64_t b = 0; b < nb; b += 2) {
@@ -506,44 +513,56 @@ qtile::Tile fill_kquant(const uint8_t* blocks, int64_t row_bytes, int64_t N, int
       qtile::transpose16(v);
       for (int l = 0; l < 16; ++l) _mm512_storeu_si512(codes + (b / 2 * 16 + l) * 64, v[l]);
     }
-    for (int64_t j = 0; j < C; ++j)
-      for (int64_t t = 0; t < nb; ++t) {
-        const float d = j < r ? f16_at(blocks + (n0 + j) * row_bytes + 2 * t) : 0.f;
-        scale[t * C + j] = d;
-        zp[t * C + j] = -16.f * d;
+    for (int64_t t0 = 0; t0 < nb; t0 += 16) {  // 16 blocks' d (float16, the d plane) of each channel
+      const int64_t nt = std::min<int64_t>(16, nb - t0);
+      const __mmask16 kt = static_cast<__mmask16>((1u << nt) - 1);
+      __m512i v[16];
+      for (int64_t j = 0; j < C; ++j)
+        v[j] = j >= r ? _mm512_setzero_si512()
+                      : _mm512_castps_si512(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(kt, blocks + (n0 + j) * row_bytes + 2 * t0)));
+      qtile::transpose16(v);
+      for (int64_t t = 0; t < nt; ++t) {
+        const __m512 d = _mm512_castsi512_ps(v[t]);
+        _mm512_storeu_ps(scale + (t0 + t) * C, d);
+        _mm512_storeu_ps(zp + (t0 + t) * C, _mm512_mul_ps(d, _mm512_set1_ps(-16.f)));
       }
+    }
   } else {
-    constexpr int64_t subs = QT == kQ6_K ? 16 : 8;  // scale groups per superblock
     const int64_t type_size = QT == kQ6_K ? 210 : QT == kQ5_K ? 176 : 144;
     for (int64_t i = 0; i < K / 256; ++i) {
       __m512i u[16][4];
+      __m512i sv[16];  // channel j's scales: Q6_K int32 sc[0..15]; Q4_K/Q5_K float d sc[0..7], -dmin m[0..7]
+      alignas(64) float d6[16];  // Q6_K: each channel's d
       for (int64_t j = 0; j < C; ++j) {
-        float* sc_j = scale + i * subs * C + j;
-        float* zp_j = zp + i * subs * C + j;
         if (j >= r) {
           for (int v = 0; v < 4; ++v) u[j][v] = _mm512_setzero_si512();
-          for (int t = 0; t < subs; ++t) sc_j[t * C] = zp_j[t * C] = 0.f;
+          sv[j] = _mm512_setzero_si512();
+          d6[j] = 0.f;
           continue;
         }
         const uint8_t* p = blocks + (n0 + j) * row_bytes + i * type_size;
         if constexpr (QT == kQ6_K) {
           codes_q6k(p, u[j]);
-          const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
-          const float d = f16_at(p + 208);
-          for (int t = 0; t < 16; ++t) {
-            sc_j[t * C] = d * static_cast<float>(sc[t]);
-            zp_j[t * C] = -32.f * sc_j[t * C];
-          }
+          sv[j] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+          d6[j] = f16_at(p + 208);
         } else {
-          uint8_t sm[16];
+          alignas(16) uint8_t sm[16];
           k4_scales(p + 4, sm);
-          const float d = f16_at(p), dmin = f16_at(p + 2);
-          for (int t = 0; t < 8; ++t) {
-            sc_j[t * C] = d * static_cast<float>(sm[t]);
-            zp_j[t * C] = -dmin * static_cast<float>(sm[8 + t]);
-          }
+          const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sm))));
+          const __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16_at(p)), _mm512_set1_ps(-f16_at(p + 2)));
+          sv[j] = _mm512_castps_si512(_mm512_mul_ps(f, dd));
           if constexpr (QT == kQ4_K) codes_k4(p + 16, u[j]);
           else codes_k5(p + 16, p + 48, u[j]);
+        }
+      }
+      qtile::transpose16(sv);  // sv[t] lane j: channel j's value t
+      if constexpr (QT == kQ6_K) {  // scale (K / 256, 16): d; isc (K / 16, 16): sc
+        _mm512_storeu_ps(scale + i * C, _mm512_load_ps(d6));
+        for (int t = 0; t < 16; ++t) _mm512_storeu_si512(isc + (i * 16 + t) * C, sv[t]);
+      } else {  // scale, zp (K / 32, 16)
+        for (int t = 0; t < 8; ++t) {
+          _mm512_storeu_si512(scale + (i * 8 + t) * C, sv[t]);
+          _mm512_storeu_si512(zp + (i * 8 + t) * C, sv[8 + t]);
         }
       }
       for (int v = 0; v < 4; ++v) {
@@ -554,16 +573,16 @@ qtile::Tile fill_kquant(const uint8_t* blocks, int64_t row_bytes, int64_t N, int
       }
     }
   }
-  return {codes, scale, zp};
+  return {codes, scale, zp, isc};
 }
 
 at::Tensor tile_kquant(int64_t qtype, const at::Tensor& x, const uint8_t* blocks, int64_t row_bytes, int64_t N,
                        int64_t K, const c10::BFloat16* bias) {
   const int64_t gs = qtype == kQ6_K ? 16 : 32;
-  const qtile::Shape s{N, K, (K + 63) / 64 * 64, gs, K / gs};
+  const qtile::Shape s{N, K, (K + 63) / 64 * 64, gs, K / gs, qtype == kQ6_K ? 32 : 0};
   auto run = [&]<int64_t QT>() {
-    return qtile::linear(x, s, bias, [&](int64_t n0, int64_t r, uint8_t* codes, float* scale, float* zp) {
-      return fill_kquant<QT>(blocks, row_bytes, N, K, n0, r, codes, scale, zp);
+    return qtile::linear(x, s, bias, [&](int64_t n0, int64_t r, uint8_t* codes, float* scale, float* zp, int32_t* isc) {
+      return fill_kquant<QT>(blocks, row_bytes, N, K, n0, r, codes, scale, zp, isc);
     });
   };
   switch (qtype) {
@@ -580,6 +599,16 @@ template <typename T>
 T* scratch(std::vector<T>& buf, int64_t n) {
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
   return buf.data();
+}
+
+// The vnni route's first row count served by the tiles rather than the few-row kernels. The few-row
+// kernels' float work is per 64 inputs per row of x and of W (vpmulld, conversion, FMA for each vpdpbusd),
+// the tiles' per 32 inputs per row of x and 16 of W, but the tiles pay a decode and 16 x 16 transpose per
+// call, which out of cache waits on 16 rows of W at once: measured on Zen 4 (docs/benchmarks.md, "K-quants
+// at 2 to 64 rows"), the tiles win from 5 rows in cache and from 6 out of it; Q5_0's few-row kernel (two
+// blocks' d per 64 inputs) is the dearest, so its tiles take over one row earlier.
+inline int64_t tile_min_rows(int64_t qtype) {
+  return std::min<int64_t>(qtype == kQ5_0 ? 5 : 6, kSkinnyMaxRows + 1);
 }
 
 bool route_compiled(int64_t route) {
@@ -658,7 +687,7 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   const auto* wb = blocks.data_ptr<uint8_t>();
   if (route != kVnni) return expanded(qtype, xc, wb, blocks.size(1), N, K, bias, route == kAvx512);
 #ifdef TOKENLOOM_KQ_VNNI
-  if (M > kSkinnyMaxRows) return tile_kquant(qtype, xc, wb, blocks.size(1), N, K, b);
+  if (M >= tile_min_rows(qtype)) return tile_kquant(qtype, xc, wb, blocks.size(1), N, K, b);
   const int64_t Kp = (K + 63) / 64 * 64;
   thread_local std::vector<int8_t> xq_buf;
   thread_local std::vector<float> dl_buf, s_buf;

@@ -34,19 +34,27 @@ constexpr int64_t kRows = 4;  // rows of x per microkernel call, against two til
 
 struct Tile {
   const uint8_t* codes;  // (Kp / 4) steps of 4 inputs x 16 channels, 64 bytes each
-  const float* scale;    // (G, 16): group t's scale of each channel
-  const float* zp;       // (G, 16): its zero point (w = scale u + zp)
+  const float* scale;    // (G, 16): group t's scale of each channel; integer sub-scales: (K / 256, 16)
+  const float* zp;       // (G, 16): its zero point (w = scale u + zp); unused with integer sub-scales
+  const int32_t* isc;    // integer sub-scales only: (G, 16) group t's sub-scale of each channel
 };
 
+// Integer sub-scales (Q6_K: w = d sc_t (u - 32), sc_t int8 per 16 inputs, d float per 256): `zcode` > 0
+// says the tile holds them, gs = 16, K a multiple of 256 (= Kp), and w = scale_s isc_t (u - zcode) for
+// superblock s of 256 inputs and group t of 16. The sub-scales and the zero code then stay in int32
+// (vpmulld) and only each 32 inputs' sum meets float (its dx), instead of float work every 16 inputs:
+// that work, not vpdpbusd, bounded Q6_K's tiles (slower than bf16 at 16-64 rows before).
 struct Shape {
   int64_t N, K, Kp;  // outputs, inputs, inputs padded to whole 64s (x and tile codes are zero there)
   int64_t gs, G;     // inputs per scale group (16, 32 or a multiple of 32; Kp for one scale per row) and groups
+  int32_t zcode = 0;  // > 0: integer sub-scales with this zero code (above)
 };
 
 struct X {
   const int8_t* q;   // (M, Kp) xq
   const float* dx;   // (M, Kp / 32)
   const float* xs;   // (M, G): dx * sum of xq over each group
+  const int32_t* xz; // (M, Kp / 16): -zcode * sum of xq over each 16 inputs (integer sub-scales only)
   int64_t Kp, G;
 };
 
@@ -92,8 +100,10 @@ inline __m512 bf16x16(const c10::BFloat16* p, __mmask16 k) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
 }
 
-// x (M, K) -> X: xq (M, Kp) int8 (zeros from K), dx (M, Kp / 32), xs (M, G) per group of gs inputs.
-inline void quantize(const c10::BFloat16* x, int64_t M, const Shape& s, int8_t* xq, float* dx, float* xs) {
+// x (M, K) -> X: xq (M, Kp) int8 (zeros from K), dx (M, Kp / 32), xs (M, G) per group of gs inputs, and
+// xz (M, Kp / 16) -zcode times the integer sums per 16 inputs.
+inline void quantize(const c10::BFloat16* x, int64_t M, const Shape& s, int8_t* xq, float* dx, float* xs,
+                     int32_t* xz) {
   std::fill(xs, xs + M * s.G, 0.f);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t k = 0; k < s.Kp; k += 32) {
@@ -108,9 +118,12 @@ inline void quantize(const c10::BFloat16* x, int64_t M, const Shape& s, int8_t* 
       const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(f0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(f1, inv));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * s.Kp + k), _mm512_cvtsepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * s.Kp + k + 16), _mm512_cvtsepi32_epi8(q1));
+      const int32_t sum0 = _mm512_reduce_add_epi32(q0), sum1 = _mm512_reduce_add_epi32(q1);
       const int64_t g0 = k / s.gs, g1 = (k + 16) / s.gs;  // groups past K (padding) have no sum to take
-      if (g0 < s.G) xs[m * s.G + g0] += d * static_cast<float>(_mm512_reduce_add_epi32(q0));
-      if (g1 < s.G) xs[m * s.G + g1] += d * static_cast<float>(_mm512_reduce_add_epi32(q1));
+      if (g0 < s.G) xs[m * s.G + g0] += d * static_cast<float>(sum0);
+      if (g1 < s.G) xs[m * s.G + g1] += d * static_cast<float>(sum1);
+      xz[m * (s.Kp / 16) + k / 16] = -s.zcode * sum0;
+      xz[m * (s.Kp / 16) + k / 16 + 1] = -s.zcode * sum1;
     }
   }
 }
@@ -191,16 +204,95 @@ __attribute__((always_inline)) inline void dot(const Tile* t, const Shape& s, co
   }
 }
 
+// As `dot`, for tiles with integer sub-scales (Shape::zcode). Per 16 inputs, row and tile: the int32 sum
+// starts at -zcode * (sum of xq) (the zero code, shared by the tiles), gets 4 vpdpbusd, then times the
+// channels' sub-scales (vpmulld); two such make a 32-input sum (|.| <= 2 * 16 * 127 * 32 * 128 < 2^24),
+// converted once and times its dx into gacc; per 256 inputs gacc times the channels' d into acc.
+// acc stays out of the register file's hot set: it is touched once per 256 inputs.
+template <int R, int CB>
+__attribute__((always_inline)) inline void dot_isub(const Tile* t, const Shape& s, const X& x, int64_t m0,
+                                                    __m512 (&acc)[CB][R]) {
+  const int8_t* xr[R];
+  const float* dr[R];
+  const int32_t* zr[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    xr[r] = x.q + (m0 + r) * x.Kp;
+    dr[r] = x.dx + (m0 + r) * (x.Kp / 32);
+    zr[r] = x.xz + (m0 + r) * (x.Kp / 16);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < CB; ++c)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+  for (int64_t k256 = 0; k256 < s.K; k256 += 256) {
+    __m512 gacc[CB][R];
+#pragma GCC unroll 8
+    for (int c = 0; c < CB; ++c)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) gacc[c][r] = _mm512_setzero_ps();
+    for (int64_t k32 = k256; k32 < k256 + 256; k32 += 32) {
+      __m512i iacc[CB][R];
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const int64_t k0 = k32 + 16 * h;
+        __m512i isum[CB][R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512i z = _mm512_set1_epi32(zr[r][k0 / 16]);
+#pragma GCC unroll 2
+          for (int c = 0; c < CB; ++c) isum[c][r] = z;
+        }
+#pragma GCC unroll 4
+        for (int k = 0; k < 16; k += 4) {
+          __m512i w[CB];
+#pragma GCC unroll 2
+          for (int c = 0; c < CB; ++c) w[c] = _mm512_loadu_si512(t[c].codes + (k0 + k) * 16);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const __m512i xb = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr[r] + k0 + k));
+#pragma GCC unroll 2
+            for (int c = 0; c < CB; ++c) isum[c][r] = _mm512_dpbusd_epi32(isum[c][r], w[c], xb);
+          }
+        }
+#pragma GCC unroll 2
+        for (int c = 0; c < CB; ++c) {
+          const __m512i sc = _mm512_loadu_si512(t[c].isc + (k0 / 16) * kCh);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const __m512i p = _mm512_mullo_epi32(isum[c][r], sc);
+            iacc[c][r] = h == 0 ? p : _mm512_add_epi32(iacc[c][r], p);
+          }
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 d = _mm512_set1_ps(dr[r][k32 / 32]);
+#pragma GCC unroll 2
+        for (int c = 0; c < CB; ++c) gacc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[c][r]), d, gacc[c][r]);
+      }
+    }
+#pragma GCC unroll 2
+    for (int c = 0; c < CB; ++c) {
+      const __m512 dv = _mm512_loadu_ps(t[c].scale + (k256 / 256) * kCh);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[c][r] = _mm512_fmadd_ps(gacc[c][r], dv, acc[c][r]);
+    }
+  }
+}
+
 struct Out {
   int64_t n0;
   __mmask16 k;  // the tile's channels (a last tile may hold fewer than 16)
   __m512 bias;
 };
 
+// SPAN 0: integer sub-scales (dot_isub).
 template <int R, int CB, int SPAN, bool LONG>
 inline void rows_out(const Tile* t, const Out* o, const Shape& s, const X& x, int64_t m0, c10::BFloat16* y) {
   __m512 acc[CB][R];
-  dot<R, CB, SPAN, LONG>(t, s, x, m0, acc);
+  if constexpr (SPAN == 0) dot_isub<R, CB>(t, s, x, m0, acc);
+  else dot<R, CB, SPAN, LONG>(t, s, x, m0, acc);
   for (int c = 0; c < CB; ++c)
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
@@ -219,27 +311,32 @@ inline void rows_all(const Tile* t, const Out* o, const Shape& s, const X& x, in
   }
 }
 
-// The kernel for the shape's groups: 16 inputs (Q6_K), 32 (GGUF's Q4_0 .. Q8_0, Q4_K, Q5_K, Q5_0), longer.
+// The kernel for the shape's groups: integer sub-scales (Q6_K), 16 inputs, 32 (GGUF's Q4_0 .. Q8_0, Q4_K,
+// Q5_K, Q5_0), longer.
 template <int CB>
 inline void rows_for(const Tile* t, const Out* o, const Shape& s, const X& x, int64_t M, c10::BFloat16* y) {
-  if (s.gs == 16) rows_all<CB, 16, false>(t, o, s, x, M, y);
+  if (s.zcode > 0) rows_all<CB, 0, false>(t, o, s, x, M, y);
+  else if (s.gs == 16) rows_all<CB, 16, false>(t, o, s, x, M, y);
   else if (s.gs == 32) rows_all<CB, 32, false>(t, o, s, x, M, y);
   else rows_all<CB, 32, true>(t, o, s, x, M, y);
 }
 
-// y (M, N) bf16 = x @ W.T (+ bias). `fill(n0, r, codes, scale, zp)` decodes channels [n0, n0 + r) (r <= 16)
-// into a Tile, in the per-thread buffers it is given: codes (Kp / 4 steps x 64 bytes), scale and zp
-// (G x 16 floats each); channels r..15 of them may hold anything (their outputs are never stored).
+// y (M, N) bf16 = x @ W.T (+ bias). `fill(n0, r, codes, scale, zp, isc)` decodes channels [n0, n0 + r)
+// (r <= 16) into a Tile, in the per-thread buffers it is given: codes (Kp / 4 steps x 64 bytes), scale, zp
+// (G x 16 floats each) and isc (G x 16 int32, for integer sub-scales); channels r..15 of them may hold
+// anything (their outputs are never stored).
 template <typename Fill>
 at::Tensor linear(const at::Tensor& x, const Shape& s, const c10::BFloat16* bias, Fill&& fill) {
   const int64_t M = x.size(0);
   thread_local std::vector<int8_t> xq_buf;
   thread_local std::vector<float> dx_buf, xs_buf;
+  thread_local std::vector<int32_t> xz_buf;
   int8_t* xq = scratch(xq_buf, M * s.Kp);
   float* dx = scratch(dx_buf, M * s.Kp / 32);
   float* xs = scratch(xs_buf, M * s.G);
-  quantize(x.data_ptr<c10::BFloat16>(), M, s, xq, dx, xs);
-  const X xv{xq, dx, xs, s.Kp, s.G};
+  int32_t* xz = scratch(xz_buf, M * s.Kp / 16);
+  quantize(x.data_ptr<c10::BFloat16>(), M, s, xq, dx, xs, xz);
+  const X xv{xq, dx, xs, xz, s.Kp, s.G};
   at::Tensor y = at::empty({M, s.N}, x.options());
   auto* yp = y.data_ptr<c10::BFloat16>();
   const int64_t pairs = (s.N + 2 * kCh - 1) / (2 * kCh);  // tiles are computed two at a time
@@ -248,16 +345,19 @@ at::Tensor linear(const at::Tensor& x, const Shape& s, const c10::BFloat16* bias
   at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint8_t> codes_buf;
     thread_local std::vector<float> scale_buf, zp_buf;
+    thread_local std::vector<int32_t> isc_buf;
     uint8_t* codes = scratch(codes_buf, 2 * s.Kp * kCh);
     float* scale = scratch(scale_buf, 2 * s.G * kCh);
     float* zp = scratch(zp_buf, 2 * s.G * kCh);
+    int32_t* isc = s.zcode > 0 ? scratch(isc_buf, 2 * s.G * kCh) : nullptr;
     for (int64_t p = begin; p < end; ++p) {
       Tile t[2];
       Out o[2];
       int cb = 0;
       for (; cb < 2 && (2 * p + cb) * kCh < s.N; ++cb) {
         const int64_t n0 = (2 * p + cb) * kCh, r = std::min(kCh, s.N - n0);
-        t[cb] = fill(n0, r, codes + cb * s.Kp * kCh, scale + cb * s.G * kCh, zp + cb * s.G * kCh);
+        t[cb] = fill(n0, r, codes + cb * s.Kp * kCh, scale + cb * s.G * kCh, zp + cb * s.G * kCh,
+                     isc == nullptr ? nullptr : isc + cb * s.G * kCh);
         o[cb].n0 = n0;
         o[cb].k = static_cast<__mmask16>((1u << r) - 1);
         o[cb].bias = bias == nullptr ? _mm512_setzero_ps() : bf16x16(bias + n0, o[cb].k);

@@ -521,7 +521,7 @@ qtile::Tile fill_int8(const QWeight& w, int64_t Kp, int64_t n0, int64_t r, uint8
       _mm512_storeu_ps(scale + t * qtile::kCh, d);
       _mm512_storeu_ps(zp + t * qtile::kCh, _mm512_mul_ps(d, _mm512_set1_ps(-128.f)));
     }
-    return {codes, scale, zp};
+    return {codes, scale, zp, nullptr};
   }
   for (int64_t t = 0; t < w.G; ++t)
     for (int64_t j = 0; j < qtile::kCh; ++j) {
@@ -529,7 +529,7 @@ qtile::Tile fill_int8(const QWeight& w, int64_t Kp, int64_t n0, int64_t r, uint8
       scale[t * qtile::kCh + j] = d;
       zp[t * qtile::kCh + j] = -128.f * d;
     }
-  return {codes, scale, zp};
+  return {codes, scale, zp, nullptr};
 }
 
 // The int4 block from n0 (r channels) -> a tile: its step s (8 inputs, 16 channels per vpdpbusd lane
@@ -552,17 +552,17 @@ qtile::Tile fill_int4(const QWeight& w, int64_t Kp, int64_t n0, int64_t r, uint8
     _mm512_storeu_ps(scale + t * kBlock, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(ks, db + t * r)));
     _mm512_storeu_ps(zp + t * kBlock, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(ks, mb + t * r)));
   }
-  return {codes, scale, zp};
+  return {codes, scale, zp, nullptr};
 }
 
 at::Tensor tile_linear(const QWeight& w, const at::Tensor& x, int64_t Kp, int64_t bits, const c10::BFloat16* bias) {
   // One scale per row: a single group of all Kp inputs (x is zero past K).
   const qtile::Shape s{w.N, w.K, Kp, w.G == 1 ? Kp : w.g, w.G};
   if (bits == 4)
-    return qtile::linear(x, s, bias, [&](int64_t n0, int64_t r, uint8_t* codes, float* scale, float* zp) {
+    return qtile::linear(x, s, bias, [&](int64_t n0, int64_t r, uint8_t* codes, float* scale, float* zp, int32_t*) {
       return fill_int4(w, Kp, n0, r, codes, scale, zp);
     });
-  return qtile::linear(x, s, bias, [&](int64_t n0, int64_t r, uint8_t* codes, float* scale, float* zp) {
+  return qtile::linear(x, s, bias, [&](int64_t n0, int64_t r, uint8_t* codes, float* scale, float* zp, int32_t*) {
     return fill_int8(w, Kp, n0, r, codes, scale, zp);
   });
 }
