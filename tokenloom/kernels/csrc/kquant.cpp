@@ -581,7 +581,8 @@ at::Tensor tile_kquant(int64_t qtype, const at::Tensor& x, const uint8_t* blocks
   const int64_t gs = qtype == kQ6_K ? 16 : 32;
   const qtile::Shape s{N, K, (K + 63) / 64 * 64, gs, K / gs, qtype == kQ6_K ? 32 : 0};
   auto run = [&]<int64_t QT>() {
-    return qtile::linear(x, s, bias, [&](int64_t n0, int64_t r, uint8_t* codes, float* scale, float* zp, int32_t* isc) {
+    return qtile::linear<QT == kQ6_K>(x, s, bias, [&](int64_t n0, int64_t r, uint8_t* codes, float* scale, float* zp,
+                                                       int32_t* isc) {
       return fill_kquant<QT>(blocks, row_bytes, N, K, n0, r, codes, scale, zp, isc);
     });
   };
