@@ -26,13 +26,10 @@ from torch import nn
 from tokenloom.errors import ConfigError
 from tokenloom.kernels import load_cpu_kernels
 from tokenloom.models.gguf_quants import dequantize
+from tokenloom.quant.routed import RoutedLayer
 
 Q = GGMLQuantizationType
 KQUANT_TYPES = (Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-_KERNEL_ROUTES = {"auto": 0, "vnni": 1, "avx512": 2, "portable": 3}
-ROUTES = (*_KERNEL_ROUTES, "torch")
-
-
 def q50_to_planar(blocks: torch.Tensor) -> torch.Tensor:
     """(N, nb * 22) Q5_0 rows of blocks (d f16 | qh u32 | qs[16]) -> (N, nb * 22) rows of planes: the nb
     d, then the nb qh, then the nb qs."""
@@ -48,7 +45,9 @@ def q50_from_planar(planes: torch.Tensor) -> torch.Tensor:
     return torch.cat([d.reshape(n, nb, 2), qh.reshape(n, nb, 4), qs.reshape(n, nb, 16)], dim=2).reshape(n, -1)
 
 
-class KQuantLinear(nn.Module):
+class KQuantLinear(RoutedLayer):
+    KERNEL_ROUTES = {"auto": 0, "vnni": 1, "avx512": 2, "portable": 3}  # RoutedLayer: the C++ kernel's route ids
+    ROUTE_LABEL = "KQuantLinear"
     kernels: ModuleType | None = None  # the C++ module with kquant_linear, or None: the torch path
     _kernels_checked = False
 
@@ -72,17 +71,6 @@ class KQuantLinear(nn.Module):
         # (N, row bytes): the GGUF blocks; Q5_0: their planes
         self.register_buffer("blocks", q50_to_planar(blocks) if self.qtype == Q.Q5_0 else blocks.contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16).contiguous())
-
-    @property
-    def route(self) -> str:
-        return self._route
-
-    @route.setter
-    def route(self, value: str) -> None:
-        if value not in ROUTES:
-            raise ConfigError(f"KQuantLinear route must be one of {', '.join(ROUTES)}, got {value!r}")
-        self._route = value
-        self._route_id = _KERNEL_ROUTES.get(value, -1)
 
     @classmethod
     def kernel_module(cls) -> ModuleType | None:

@@ -30,15 +30,13 @@ from tokenloom.errors import ConfigError
 from tokenloom.kernels import load_quant_kernels
 from tokenloom.quant.layout import (BLOCK, int4_from_kernel, int4_scales_from_kernel, int4_scales_to_kernel,
                                     int4_to_kernel, int8_from_kernel, int8_to_kernel, padded)
+from tokenloom.quant.routed import RoutedLayer
 from tokenloom.quant.quantizers import int4_group_size, quantize_int4, quantize_int8
 
-_KERNEL_ROUTES = {"auto": 0, "vnni": 1, "expand": 2}
-ROUTES = (*_KERNEL_ROUTES, "torch")
-
-
-class QuantLinear(nn.Module):
+class QuantLinear(RoutedLayer):
     """Shared buffers and forward of Int8Linear / Int4Linear (subclasses set `bits`)."""
 
+    KERNEL_ROUTES = {"auto": 0, "vnni": 1, "expand": 2}  # RoutedLayer: the C++ kernel's route ids
     bits: int = 0
     kernels: ModuleType | None = None  # set on first forward: the C++ module, or None for the torch path
     _kernels_checked = False
@@ -59,17 +57,6 @@ class QuantLinear(nn.Module):
         self.register_buffer("mins", None if mins is None else mins.to(torch.float16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16).contiguous())
         self.route = "auto"
-
-    @property
-    def route(self) -> str:
-        return self._route
-
-    @route.setter
-    def route(self, value: str) -> None:
-        if value not in ROUTES:
-            raise ConfigError(f"quantized layer route must be one of {', '.join(ROUTES)}, got {value!r}")
-        self._route = value
-        self._route_id = _KERNEL_ROUTES.get(value, -1)
 
     @classmethod
     def kernel_module(cls) -> ModuleType | None:
