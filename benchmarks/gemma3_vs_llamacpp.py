@@ -33,7 +33,6 @@ import os
 import platform
 import re
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -44,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenloom.errors import ConfigError
-from tokenloom.netutil import free_port, wait_until_healthy
+from tokenloom.netutil import free_port, stop_process_group, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = ("tokenloom", "llamacpp")
@@ -139,13 +138,7 @@ class Server:
         return total
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process_group(self.proc)
 
 
 def server_command(engine: str, s: Settings, port: int) -> list[str]:

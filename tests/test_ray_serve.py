@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from router_helpers import WORKER_FLAGS, long_tiny_model, samples
-from tokenloom.netutil import free_port, wait_until_healthy
+from tokenloom.netutil import free_port, stop_process_group, wait_until_healthy
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (make test installs it: pyproject's test extras)")
 
@@ -110,13 +110,7 @@ class RayServe:
         assert r.status_code == 200, r.text
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process_group(self.proc)
 
 
 @pytest.fixture(scope="module")
@@ -380,13 +374,8 @@ def test_the_rayservice_application_under_serve_run(ray_cluster: LocalRayCluster
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=30)
         assert r.status_code == 401, r.text
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)  # `serve run` shuts the application down: the workers stop
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        # SIGINT: `serve run` shuts the application down, and the workers stop with it
+        stop_process_group(proc, sig=signal.SIGINT)
 
 
 def test_split_prefill_decode_across_the_two_nodes_equals_one_worker(

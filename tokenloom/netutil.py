@@ -1,4 +1,5 @@
-"""Helpers for starting local servers: a free TCP port, and waiting until a server answers its health check.
+"""Helpers for starting local servers: a free TCP port, waiting until a server answers its health check,
+and stopping a server's process group.
 
 Used by `tokenloom cluster` (router/cluster.py) for its worker processes, and by the tests and
 benchmark scripts that start servers of their own.
@@ -6,7 +7,10 @@ benchmark scripts that start servers of their own.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -35,3 +39,16 @@ def wait_until_healthy(base_url: str, timeout: float = 120.0, path: str = "/heal
             pass
         time.sleep(0.05)
     raise TimeoutError(f"{base_url} did not become healthy within {timeout:.0f} s")
+
+
+def stop_process_group(proc: subprocess.Popen[bytes], timeout: float = 60.0, sig: int = signal.SIGTERM) -> None:
+    """`sig` to the process group `proc` leads (started with start_new_session), then SIGKILL to the group
+    if it has not exited within `timeout` s. Nothing when it has already exited."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

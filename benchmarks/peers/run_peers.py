@@ -24,14 +24,13 @@ import datetime
 import os
 import platform
 import shlex
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from tokenloom.models.default import default_model_path
-from tokenloom.netutil import free_port, wait_until_healthy
+from tokenloom.netutil import free_port, stop_process_group, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -108,16 +107,6 @@ def slot_plan(bench_args: list[str], slot_ctx: int | None) -> tuple[int, int]:
     return slots, slot_ctx
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def machine() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
@@ -175,7 +164,7 @@ def main() -> None:
             print(f"== {peer}: {e}; see {log_path}", flush=True)
             rc, startup, bench = -1, float("nan"), []
         finally:
-            stop(proc)
+            stop_process_group(proc)
         lines += [f"## {peer} {version(peer, args.peers_dir)}", "", f"- server: `{shlex.join(cmd)}`",
                   f"- up in {startup:.0f} s; bench exit status {rc}", f"- bench: `{shlex.join(bench)}`", ""]
         if rc == 0:
