@@ -13,7 +13,7 @@ import pytest
 from tokenloom.cli import main
 from tokenloom.config import EngineConfig
 from tokenloom.errors import ConfigError
-from tokenloom.plan.cost_model import FEATURES, LinearStepCost, features, nnls
+from tokenloom.plan.cost_model import FEATURES, FEATURES_V1, LinearStepCost, features, nnls
 from tokenloom.plan.hardware import SPECS, ModelShape, RooflineStepCost, load_model_shape
 from tokenloom.plan.profile import ProfileGrid, profile_engine
 from tokenloom.plan.profile_file import Profile
@@ -23,13 +23,13 @@ from tokenloom.plan.workload import poisson, replay
 
 def random_rows(rng: random.Random) -> list[tuple[int, int]]:
     rows = [(1, rng.randrange(1, 3000)) for _ in range(rng.randrange(0, 64))]
-    rows += [(rng.randrange(2, 512), rng.randrange(0, 2000)) for _ in range(rng.randrange(0, 3))]
+    rows += [(rng.randrange(2, 512), rng.choice((0, rng.randrange(1, 2000)))) for _ in range(rng.randrange(0, 3))]
     return rows or [(1, 5)]
 
 
 def test_fit_recovers_known_coefficients() -> None:
     rng = random.Random(0)
-    true = LinearStepCost((0.004, 2e-5, 1e-4, 3e-8, 1e-9, 0.01, 2e-4))
+    true = LinearStepCost((0.004, 2e-5, 1e-4, 3e-8, 1e-9, 0.01, 2e-4, 5e-10))
     samples = [(rows, true.step_time(rows)) for rows in (random_rows(rng) for _ in range(60))]
     got = LinearStepCost.fit(samples)
     assert got.coef == pytest.approx(true.coef, rel=1e-6)
@@ -37,15 +37,54 @@ def test_fit_recovers_known_coefficients() -> None:
 
 def test_features_by_hand() -> None:
     # 2 decodes at contexts 9 and 19 (they attend to 10 and 20 keys) and a 4-token chunk after 6 computed:
-    # pairs 4 * (6 + 2.5) = 34.
-    assert features([(1, 9), (1, 19), (4, 6)]) == [1.0, 6.0, 3.0, 30.0, 34.0, 1.0, 1.0]
-    assert features([(1, 9)]) == [1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.0]
-    assert len(FEATURES) == 7
+    # pairs 4 * (6 + 2.5) = 34; no fresh chunk.
+    assert features([(1, 9), (1, 19), (4, 6)]) == [1.0, 6.0, 3.0, 30.0, 34.0, 1.0, 1.0, 0.0]
+    assert features([(1, 9)]) == [1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.0, 0.0]
+    # A fresh 4-token prompt (nothing computed before): pairs 4 * 5 / 2 = 10, all of them fresh.
+    assert features([(4, 0), (1, 9)]) == [1.0, 5.0, 2.0, 10.0, 10.0, 1.0, 1.0, 10.0]
+    assert len(FEATURES) == 8
+
+
+def test_fit_prices_lone_prefills_by_chunk_size() -> None:
+    # The profile grid's lone prefills (fresh prompts of 16 .. 512 tokens, and chunks of those sizes after a
+    # cached context) beside decode and mixed steps, timed by a known cost: the fit recovers every
+    # coefficient, so a lone prefill's time grows with its chunk as the known cost does, faster than
+    # linearly (the fresh chunk's causal pairs), and no constant stands in for it.
+    rng = random.Random(2)
+    true = LinearStepCost((0.005, 6e-4, 3e-4, 7e-7, 1.3e-6, 0.004, 1e-3, 6.5e-7))
+    lone = [[(n, c)] for n in (16, 64, 128, 256, 512) for c in (0, 128, 512, 1024)]
+    mixed = [[(1, rng.randrange(100, 2000)) for _ in range(rng.randrange(1, 64))] + [(16, rng.randrange(100, 1000))]
+             for _ in range(12)]
+    decode = [[(1, c)] * r for r in (1, 4, 16, 64) for c in (128, 512, 1024)]
+    hits = [[(1, c + 16)] + [(16, c)] * k for k in (3, 15, 32) for c in (112, 496)]  # prefix hits' last blocks
+    samples = [(rows, true.step_time(rows)) for rows in lone + mixed + decode + hits]
+    got = LinearStepCost.fit(samples)
+    assert got.coef == pytest.approx(true.coef, rel=1e-6)
+    t = {n: got.step_time([(n, 0)]) for n in (16, 128, 512)}
+    # By hand: fixed + has_chunk + rows + chunk_rows = 10.3 ms; n x 0.6 ms; n (n + 1) / 2 x (1.3 + 0.65) us.
+    for n in (16, 128, 512):
+        assert t[n] == pytest.approx(0.0103 + n * 6e-4 + n * (n + 1) / 2 * 1.95e-6, rel=1e-6)
+    assert (t[512] - t[128]) / 384 > (t[128] - t[16]) / 112  # superlinear in the chunk
+    # A chunk that continues a cached context is priced on the paged path: no fresh pairs.
+    assert got.step_time([(128, 128)]) == pytest.approx(0.0103 + 128 * 6e-4 + 128 * (128 + 64.5) * 1.3e-6, rel=1e-6)
+
+
+def test_profiles_of_the_previous_features_load_and_others_fail(tmp_path: Path) -> None:
+    old = {"kind": "linear", "features": list(FEATURES_V1), "coef": [0.004, 2e-5, 1e-4, 3e-8, 1e-9, 0.01, 2e-4]}
+    cost = LinearStepCost.from_json(old)
+    assert cost.coef == (0.004, 2e-5, 1e-4, 3e-8, 1e-9, 0.01, 2e-4, 0.0)
+    rows = [(128, 0), (1, 40)]  # a fresh chunk: the feature the old profile lacks costs it nothing
+    assert cost.step_time(rows) == pytest.approx(float(np.dot(old["coef"], features(rows)[:7])), rel=1e-12)
+    assert LinearStepCost.from_json(cost.to_json()) == cost
+    with pytest.raises(ConfigError, match="plan profile"):
+        LinearStepCost.from_json({"kind": "linear", "features": ["fixed", "tokens"], "coef": [0.1, 0.2]})
+    with pytest.raises(ConfigError, match="plan profile"):  # the old names with a coefficient too many
+        LinearStepCost.from_json({"kind": "linear", "features": list(FEATURES_V1), "coef": [0.0] * 8})
 
 
 def test_robust_fit_leaves_out_steps_slowed_by_other_processes() -> None:
     rng = random.Random(1)
-    true = LinearStepCost((0.004, 2e-5, 1e-4, 3e-8, 1e-9, 0.01, 2e-4))
+    true = LinearStepCost((0.004, 2e-5, 1e-4, 3e-8, 1e-9, 0.01, 2e-4, 5e-10))
     samples = [(rows, true.step_time(rows)) for rows in (random_rows(rng) for _ in range(60))]
     slowed = {3, 17, 40}
     noisy = [(rows, t * 10 if i in slowed else t) for i, (rows, t) in enumerate(samples)]
@@ -89,7 +128,8 @@ def test_roofline_of_llama_8b_on_h100_by_hand() -> None:
 
 def test_profile_of_a_tiny_model_is_a_fittable_json(tiny_llama: Path, tmp_path: Path) -> None:
     config = EngineConfig(model=str(tiny_llama), max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory="32MiB")
-    grid = ProfileGrid(decode_rows=(1, 7), context_lens=(16, 48), decode_steps=2, mixed_prompt_len=24, warmup_steps=1)
+    grid = ProfileGrid(decode_rows=(1, 7), context_lens=(16, 48), decode_steps=2, mixed_prompt_len=24, warmup_steps=1,
+                       prefill_lens=(8, 40), prefill_repeats=2)
     prof = profile_engine(config, grid)
     samples = prof.fit["samples"]
     assert len(samples) >= 10
@@ -98,6 +138,9 @@ def test_profile_of_a_tiny_model_is_a_fittable_json(tiny_llama: Path, tmp_path: 
         assert t > 0 and 1 <= len(rows) <= 8 and sum(n for n, _ in rows) <= 64
     assert any(len(rows) == 7 and all(n == 1 for n, _ in rows) for rows, _ in samples)  # the 7-row decodes
     assert any(n > 1 for rows, _ in samples for n, _ in rows)  # prefill chunks
+    lone = [tuple(rows[0]) for rows, _ in samples if len(rows) == 1 and rows[0][0] > 1]
+    assert lone.count((8, 0)) >= 2 and lone.count((40, 0)) >= 2  # fresh prompts alone, each repeated
+    assert (8, 16) in lone and (40, 48) in lone  # chunks after a cached context of each length
     path = tmp_path / "p.json"
     prof.save(path)
     back = Profile.load(path)
@@ -106,6 +149,7 @@ def test_profile_of_a_tiny_model_is_a_fittable_json(tiny_llama: Path, tmp_path: 
     saved = json.loads(path.read_text())["fit"]
     refit = LinearStepCost.fit([(rows, t) for (rows, t), k in zip(saved["samples"], saved["kept"]) if k])
     assert refit.coef == pytest.approx(prof.cost.coef, rel=1e-6)
+    assert len(saved["rel_errors"]) == len(samples)
     s = simulate(back, FleetConfig(), poisson(2.0, 5, 20, 4, seed=0))
     assert all(r.end is not None for r in s.records)
 

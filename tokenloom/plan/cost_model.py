@@ -10,9 +10,20 @@ features are what dominates each phase of a CPU/GPU step:
   n * (computed + (n + 1) / 2): quadratic in the chunk;
 - has_chunk: 1 when any row is a chunk (n > 1): such a step leaves the fused decode path (on CPU a pure
   decode step runs the whole layer stack in one C++ call) for the general one, which costs more per step;
-- chunk_rows: rows with n > 1: per-chunk work of the general path (metadata, per-sequence attention).
+- chunk_rows: rows with n > 1: per-chunk work of the general path (metadata, per-sequence attention);
+- fresh_pairs: the causal pairs n * (n + 1) / 2 of chunks that are their sequence's whole context (a fresh
+  prompt, c = 0). On the CPU backend such a chunk attends over its fresh K/V with SDPA's flash kernel,
+  a chunk that continues a cached context reads the cache through the paged prefill kernel
+  (attention/cpu.py's routing rule), and the two cost differently per pair: a profile of SmolLM2 on
+  the 2-core EPYC put the fresh path ~1.5x the paged one. This is the extra over prefill_pairs.
+So a lone prefill of n tokens costs fixed + has_chunk + rows + chunk_rows + n x tokens + quadratic terms
+in n: its cost depends on the chunk size through a slope and a curve fitted from lone prefills of several
+sizes (profile.py's grid), not through one constant.
 step_time = coef . features, coefficients >= 0 (non-negative least squares, so no phase has a negative
 cost that would make a bigger batch cheaper).
+
+Profiles saved before fresh_pairs existed (FEATURES_V1) still load: their coefficients with 0 for it
+predict exactly what they did.
 """
 
 from __future__ import annotations
@@ -25,7 +36,8 @@ import numpy as np
 
 from tokenloom.errors import ConfigError
 
-FEATURES = ("fixed", "tokens", "rows", "decode_ctx", "prefill_pairs", "has_chunk", "chunk_rows")
+FEATURES = ("fixed", "tokens", "rows", "decode_ctx", "prefill_pairs", "has_chunk", "chunk_rows", "fresh_pairs")
+FEATURES_V1 = FEATURES[:7]  # profiles before fresh_pairs (2026-12-04)
 Row = tuple[int, int]  # (num_new_tokens, num_computed_tokens before the step)
 
 
@@ -43,12 +55,14 @@ def features(rows: Sequence[Row]) -> list[float]:
     decode_ctx = sum(c + 1 for n, c in rows if n == 1)
     pairs = sum(n * (c + (n + 1) / 2) for n, c in rows if n > 1)
     chunks = sum(1 for n, _ in rows if n > 1)
-    return [1.0, float(tokens), float(len(rows)), float(decode_ctx), float(pairs), float(chunks > 0), float(chunks)]
+    fresh = sum(n * (n + 1) / 2 for n, c in rows if n > 1 and c == 0)
+    return [1.0, float(tokens), float(len(rows)), float(decode_ctx), float(pairs), float(chunks > 0), float(chunks),
+            float(fresh)]
 
 
 def nnls(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
     """Non-negative least squares, min |a x - b| with x >= 0, by Lawson-Hanson's active set method.
-    a: (m, k), b: (m,). Small k (5 features), so the plain algorithm is quick."""
+    a: (m, k), b: (m,). Small k (8 features), so the plain algorithm is quick."""
     m, k = a.shape
     x = np.zeros(k)
     passive = np.zeros(k, dtype=bool)
@@ -120,9 +134,13 @@ class LinearStepCost:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LinearStepCost:
-        if list(d.get("features", [])) != list(FEATURES):
-            raise ConfigError(f"profile's cost features {d.get('features')!r} are not {list(FEATURES)}")
-        return cls(tuple(float(c) for c in d["coef"]))
+        names, coef = list(d.get("features", [])), [float(c) for c in d["coef"]]
+        if names == list(FEATURES_V1) and len(coef) == len(FEATURES_V1):
+            coef += [0.0] * (len(FEATURES) - len(FEATURES_V1))  # the features it lacks cost nothing: same times
+        elif names != list(FEATURES):
+            raise ConfigError(f"profile's cost features {names!r} are neither {list(FEATURES)} nor the older "
+                              f"{list(FEATURES_V1)}: take the profile again with `tokenloom plan profile`")
+        return cls(tuple(coef))
 
 
 def relative_errors(cost: StepCost, samples: Sequence[tuple[Sequence[Row], float]]) -> list[float]:

@@ -9,7 +9,13 @@ around that one engine instance's `schedule` (nothing in the engine changes). Th
   too), the R - 1 others find it in the prefix cache (so 128 rows at 2,048 tokens cost one prefill, not
   128) and compute only its last block; then --decode-steps decode steps are timed;
 - mixed: while the R rows decode, one fresh prompt of --mixed-prompt-len tokens joins (a step with decodes
-  and a prefill chunk).
+  and a prefill chunk);
+- lone prefills (--prefill-lens x --prefill-repeats): a fresh prompt of each length alone on the idle engine
+  (chunks at zero context, sizes interleaved so that drift spreads over them), and once per context length
+  a prompt that extends the cached context by each length (chunks at large context). Without them the
+  general path's fixed cost (`has_chunk`) and per-chunk-token slope were fitted mostly from 16-token
+  last-block chunks of prefix hits and a few full-budget chunks, and a lone 128-token prompt, the commonest
+  step at light load, was an extrapolation.
 Speculative verification widths are not profiled: a verification row is costed as a chunk of 1 + k
 tokens (the same feature as a prefill chunk), which the simulator does not produce anyway.
 """
@@ -40,12 +46,16 @@ class ProfileGrid:
     decode_steps: int = 4  # timed decode steps per (rows, context) point
     mixed_prompt_len: int = 256
     warmup_steps: int = 8  # untimed steps first (kernel JIT, allocator, caches)
+    prefill_lens: tuple[int, ...] = (16, 64, 128, 256, 512)  # lone prefills, at zero and at each context length
+    prefill_repeats: int = 3  # timed lone prefills per length at zero context
 
     def __post_init__(self) -> None:
         if not self.decode_rows or not self.context_lens or min(self.decode_rows) < 1 or min(self.context_lens) < 1:
             raise ConfigError("--decode-rows and --context-lens need positive values")
         if self.decode_steps < 1 or self.mixed_prompt_len < 1 or self.warmup_steps < 0:
             raise ConfigError("--decode-steps and --mixed-prompt-len must be >= 1, --warmup-steps >= 0")
+        if (self.prefill_lens and min(self.prefill_lens) < 1) or self.prefill_repeats < 0:
+            raise ConfigError("--prefill-lens need positive values, --prefill-repeats >= 0")
 
 
 def machine_description(config: EngineConfig) -> dict[str, Any]:
@@ -117,6 +127,19 @@ def run_grid(engine: Any, grid: ProfileGrid, seed: int = 0,
             break
         step(timed=False)
     engine.abort_request(warm)
+
+    def lone(ids: list[int]) -> None:
+        add(ids, 1)  # one output token: the request ends with its last prefill chunk
+        while engine.has_unfinished_requests():
+            step()
+
+    for _ in range(grid.prefill_repeats):
+        for n in grid.prefill_lens:
+            if n <= budget:
+                lone(prompt(n))
+    engine.reset_prefix_cache()
+    if log is not None and grid.prefill_repeats:
+        log(f"lone prefills {', '.join(map(str, grid.prefill_lens))}: {len(samples)} steps timed")
     for ctx in grid.context_lens:
         if ctx > budget - grid.mixed_prompt_len:
             continue
@@ -124,6 +147,11 @@ def run_grid(engine: Any, grid: ProfileGrid, seed: int = 0,
             if rows > max_rows - 1 and rows > 1:
                 rows = max_rows - 1  # leave a slot for the mixed step's prompt
             ids = prompt(ctx)
+            if rows == grid.decode_rows[0]:  # once per context: lone chunks after a cached context of ctx
+                lone(ids)  # (the decode rows below then find all of it in the prefix cache)
+                for n in grid.prefill_lens:
+                    if ctx + n <= budget:
+                        lone(ids + prompt(n))
             room = grid.decode_steps + 4 + grid.mixed_prompt_len // max(engine.config.max_num_batched_tokens, 1) + 2
             ids_all = [add(ids, room)]
             while prefilling():
@@ -158,6 +186,7 @@ def fit_profile(config: EngineConfig, engine: Any, samples: Sequence[tuple[list[
         kv_per_token = engine.capacity.bytes_total / engine.capacity.num_tokens
     fit = {"samples": [[list(map(list, rows)), t] for rows, t in samples], "kept": keep,
            "left_out": len(samples) - sum(keep),
+           "rel_errors": relative_errors(cost, samples),  # every sample's, the left-out ones too
            "median_rel_error": float(np.median(errs)), "p90_rel_error": float(np.percentile(errs, 90)),
            "max_rel_error": float(np.max(errs))}
     return Profile(MEASURED, model_name, cost, config.block_size, engine.capacity.num_blocks, float(kv_per_token),
