@@ -1,13 +1,16 @@
 """The capacity planner against reality: measure real servers with `tokenloom bench serve`, simulate the
 same workloads with `tokenloom plan` from a profile taken in the same run, and compare.
 
-    python benchmarks/plan_validate.py [--input-len 128] [--output-len 64] [--num-prompts 40]
+    python benchmarks/plan_validate.py [--input-len 128] [--output-len 64] [--num-prompts 40] [--repeats 3]
                                        [--setups single,cluster-2,split-1P1D] [--rates R1,R2,...]
                                        [--calibration-prompts 16] [--calibration-rate 0.4]
                                        [--out results/plan_validate]
 
-About 25 minutes on the 2-core machine with the defaults (profile ~2 min; per set-up: start, ~1 min of
-calibration, five Poisson rates of 40 requests, stop). Keep the machine otherwise quiet.
+About 25-30 minutes on the 2-core machine with the defaults (profile ~3 min; per set-up: start, ~1 min of
+calibration, then --repeats sweeps of four Poisson rates of 40 requests each, stop). Four rates (1/4 .. 2
+x the predicted knee), not five as before --repeats: the 1/8 point alone took as long as the other four
+together (40 requests at a low rate), and three repeats of five would not fit in half an hour. Keep the
+machine otherwise quiet.
 1. `tokenloom plan profile` of the embedded model with --num-threads 1 (the engine flags every server
    below gets, so two workers share the two cores the same way as one worker uses one).
 2. For each set-up in turn (one server start each): one `tokenloom serve`; a 2-worker `tokenloom
@@ -20,16 +23,21 @@ calibration, five Poisson rates of 40 requests, stop). Keep the machine otherwis
       router hop and per-token router cost from the 2-worker cluster; the prefill -> decode handoff from
       the split cluster (see tokenloom/plan/calibrate.py). The split set-up uses the router terms only if
       cluster-2 ran before it. The fit is printed.
-   b. the judged runs: `bench serve` at Poisson rates, by default 1/8, 1/4, 1/2, 1 and 2 x the knee the
-      calibrated planner predicts for that fleet (a sweep of simulated rates), so that the real knee
-      falls inside the sweep even where the prediction is off; or --rates for all.
+   b. the judged runs: --repeats sweeps of `bench serve` at Poisson rates, by default 1/4, 1/2, 1 and 2 x
+      the knee the calibrated planner predicts for that fleet (a sweep of simulated rates), so that the
+      real knee falls inside the sweep even where the prediction is off; or --rates for all. Each sweep
+      has its own seed (distinct prompts and arrival times, none a prefix-cache hit of another's).
    --no-calibrate skips (a) and compares the bare engine-step profile.
 3. The simulation replays each judged point's records (its very arrival times and lengths) on the
-   matching simulated fleet, with the profile calibrated up to that set-up, and the table compares
-   p50/p99 TTFT and TPOT, with the relative error, and the knee (bench's definition) of the measured and
-   of the simulated sweep. The bar: within 20% at the points below the measured knee, same knee.
-Results: profile.json, profile-calibrated.json, one bench folder per set-up and per calibration run,
-validation.json and table.md in --out.
+   matching simulated fleet, with the profile calibrated up to that set-up. Per set-up and rate, the
+   table gives the median over the repeats of the measured p50/p99 TTFT and TPOT and the median of the
+   simulations of each repeat's records, with the relative error of those medians, and the knee (bench's
+   definition) of the median measured and of the median simulated sweep (median output throughput and
+   p95 E2E latency per rate), so that no knee is decided by one 40-request sample per rate. The bar:
+   within 20% at the points below the measured knee, same knee; the verdict counts, per set-up, the
+   figures below the knee within 20%.
+Results: profile.json, profile-calibrated.json, one bench folder per set-up and repeat and per calibration
+run, validation.json (every repeat's rows and the median rows) and table.md in --out.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from tokenloom.bench.stats import SweepPoint, knee
@@ -63,6 +72,8 @@ SETUPS: dict[str, tuple[list[str], FleetConfig]] = {
 # The single server's per-row fit also needs a loaded calibration point (concurrency 8).
 LOADED = {"single": ["--concurrency", "8"]}
 METRICS = ("ttft_s_median", "ttft_s_p99", "tpot_s_median", "tpot_s_p99")
+# What a sweep's rows carry per side (measured / sim), medians over the repeats in the judged rows.
+FIGURES = (*METRICS, "out_tok_s", "e2el_p95")
 
 
 def _setups(s: str) -> list[str]:
@@ -100,9 +111,9 @@ def bench(port: int, out: Path, load: list[str], a: argparse.Namespace, seed: in
 
 
 def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: argparse.Namespace,
-              bare: Profile) -> tuple[Profile, Path]:
-    """Start the set-up; its calibration run (unless --no-calibrate) and refit; its judged rates; stop.
-    Returns the profile it is judged with and its judged bench folder."""
+              bare: Profile) -> tuple[Profile, list[Path]]:
+    """Start the set-up; its calibration run (unless --no-calibrate) and refit; --repeats sweeps of its
+    judged rates; stop. Returns the profile it is judged with and one bench folder per repeat."""
     cmd, fleet = SETUPS[name]
     port = free_port()
     proc = subprocess.Popen(tl(*cmd, "--port", str(port), *ENGINE))
@@ -127,31 +138,57 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
         if not a.no_calibrate and a.calibration_load == "poisson":
             # A judged rate never equals the calibration's (set --rates accordingly; predicted ones move).
             rates = [r + 0.01 if r == a.calibration_rate else r for r in rates]
-        eta = sum(a.num_prompts / r for r in rates) / 60  # arrivals only; the drain after each adds a little
-        print(f"== {name}: rates {', '.join(f'{r:.2g}' for r in rates)} req/s (about {eta:.0f} min)", flush=True)
-        folder = bench(port, a.out / name, ["--request-rate", ",".join(f"{r:g}" for r in rates),
-                                            "--num-prompts", str(a.num_prompts)], a, a.seed)
+        eta = a.repeats * sum(a.num_prompts / r for r in rates) / 60  # arrivals only; each drain adds a little
+        print(f"== {name}: {a.repeats} x rates {', '.join(f'{r:.2g}' for r in rates)} req/s (about {eta:.0f} min)",
+              flush=True)
+        load = ["--request-rate", ",".join(f"{r:g}" for r in rates), "--num-prompts", str(a.num_prompts)]
+        # Seeds a.seed + i: distinct from each other and from the calibration's (+1000, +2000).
+        folders = [bench(port, a.out / f"{name}-r{i}", load, a, a.seed + i) for i in range(a.repeats)]
     finally:
         proc.terminate()
         proc.wait(180)
-    return prof, folder
+    return prof, folders
 
 
-def compare(name: str, fleet: FleetConfig, prof: Profile, folder: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
+def sweep(name: str, fleet: FleetConfig, prof: Profile, folder: Path, repeat: int,
+          a: argparse.Namespace) -> list[dict[str, Any]]:
+    """One repeat's rows: each rate's measured figures and the simulation of its replayed records."""
     measured = json.loads((folder / "summary.json").read_text())["points"]
     records = pd.read_csv(folder / "records.csv")
     rows = []
     for m in measured:
         rate = m["request_rate"]
-        trace = a.out / f"{name}-{rate:g}.csv"
+        trace = a.out / f"{name}-r{repeat}-{rate:g}.csv"
         records[records["request_rate"] == rate].to_csv(trace, index=False)
         s = fleet_summary(simulate(prof, fleet, replay(trace, seed=a.seed), a.seed))
-        row: dict[str, Any] = {"setup": name, "rate": rate, "measured_completed": m["completed"],
+        row: dict[str, Any] = {"setup": name, "repeat": repeat, "rate": rate, "measured_completed": m["completed"],
                                "measured_out_tok_s": m["output_throughput"], "sim_out_tok_s": s["output_throughput"],
                                "measured_e2el_p95": m["e2el_s_p95"], "sim_e2el_p95": s["e2el_s_p95"]}
         for k in METRICS:
             row[f"measured_{k}"], row[f"sim_{k}"] = m[k], s[k]
-            row[f"err_{k}"] = None if not m[k] or s[k] is None else (s[k] - m[k]) / m[k]
+        rows.append(row)
+    return rows
+
+
+def _median(values: list[float | None]) -> float | None:
+    have = [v for v in values if v is not None]
+    return float(np.median(have)) if have else None
+
+
+def compare(name: str, sweeps: list[dict[str, Any]], a: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per rate, the median over the repeats of each measured and each simulated figure, the relative error
+    of the medians, and the knee of the median measured and of the median simulated sweep."""
+    rows = []
+    for rate in sorted({r["rate"] for r in sweeps}):
+        reps = [r for r in sweeps if r["rate"] == rate]
+        row: dict[str, Any] = {"setup": name, "rate": rate, "repeats": len(reps),
+                               "measured_completed": sum(r["measured_completed"] for r in reps)}
+        for k in FIGURES:
+            for side in ("measured", "sim"):
+                row[f"{side}_{k}"] = _median([r[f"{side}_{k}"] for r in reps])
+        for k in METRICS:
+            m, s = row[f"measured_{k}"], row[f"sim_{k}"]
+            row[f"err_{k}"] = None if not m or s is None else (s - m) / m
         rows.append(row)
     for side in ("measured", "sim"):
         k = knee([SweepPoint(r["rate"], r[f"{side}_out_tok_s"], r[f"{side}_e2el_p95"]) for r in rows
@@ -173,6 +210,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
     head = ("| set-up | rate req/s | TTFT p50 meas / sim ms (err) | TTFT p99 meas / sim ms (err) | "
             "TPOT p50 meas / sim ms (err) | TPOT p99 meas / sim ms (err) | knee meas / sim |\n|---|---|---|---|---|---|---|")
+    head = "Medians over the repeats of each figure, measured and simulated.\n\n" + head
     lines = [head]
     for r in rows:
         cells = [f"{ms(r['measured_' + k])} / {ms(r['sim_' + k])} ({pct(r['err_' + k])})" for k in METRICS]
@@ -182,14 +220,18 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def verdict(rows: list[dict[str, Any]]) -> str:
     """The issue's bar: every metric within 20% at the points below the measured knee; the same knee."""
-    lines = []
+    lines, total, judged = [], 0, 0
     for name in dict.fromkeys(r["setup"] for r in rows):
         mine = [r for r in rows if r["setup"] == name]
         below = [r for r in mine if r["measured_knee"] is not None and r["rate"] < r["measured_knee"]]
         errs = [r[f"err_{k}"] for r in below for k in METRICS]
         ok = sum(1 for e in errs if e is not None and abs(e) <= 0.2)
-        lines.append(f"- {name}: {ok} of {len(errs)} figures within 20% below the measured knee; knee measured "
-                     f"{mine[0]['measured_knee']}, simulated {mine[0]['sim_knee']} req/s")
+        total, judged = total + ok, judged + len(errs)
+        same = "same knee" if mine[0]["measured_knee"] == mine[0]["sim_knee"] else "knees differ"
+        lines.append(f"- {name} (medians of {min(r['repeats'] for r in mine)} repeats): {ok} of {len(errs)} "
+                     f"figures within 20% below the measured knee; knee measured {mine[0]['measured_knee']}, "
+                     f"simulated {mine[0]['sim_knee']} req/s ({same})")
+    lines.append(f"- all set-ups: {total} of {judged} figures below the measured knee within 20%")
     return "\n".join(lines)
 
 
@@ -197,11 +239,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--num-prompts", type=int, default=40, help="measured requests per rate")
+    ap.add_argument("--num-prompts", type=int, default=40, help="measured requests per rate and repeat")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="judged sweeps per set-up, each with its own seed; the table takes their medians")
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=None,
-                    help="the same rates for every set-up (default: 1/8 .. 2 x each fleet's predicted knee)")
+                    help="the same rates for every set-up (default: 1/4 .. 2 x each fleet's predicted knee)")
     ap.add_argument("--rate-fractions", type=lambda s: [float(x) for x in s.split(",")],
-                    default=[0.125, 0.25, 0.5, 1.0, 2.0],
+                    default=[0.25, 0.5, 1.0, 2.0],
                     help="judged rates as fractions of each fleet's predicted knee (the lowest costs the most "
                          "time: num-prompts / rate)")
     ap.add_argument("--setups", type=_setups, default=list(SETUPS),
@@ -222,6 +266,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results/plan_validate"))
     a = ap.parse_args()
+    if a.repeats < 1 or a.num_prompts < 1:
+        ap.error("--repeats and --num-prompts must be >= 1")
     if a.rates and not a.no_calibrate and a.calibration_load == "poisson" and a.calibration_rate in a.rates:
         ap.error(f"--calibration-rate {a.calibration_rate:g} is one of --rates: calibration points must not be judged")
     if not a.no_calibrate and "single" not in a.setups:
@@ -233,10 +279,13 @@ def main() -> None:
     prof = bare = Profile.load(prof_path)
     calibrated: dict[str, list[Path]] = {}
     rows: list[dict[str, Any]] = []
+    sweeps: list[dict[str, Any]] = []
     for name in a.setups:
-        prof, folder = run_setup(name, prof, calibrated, a, bare)
-        rows += compare(name, SETUPS[name][1], prof, folder, a)
-        (a.out / "validation.json").write_text(json.dumps(rows, indent=1))
+        prof, folders = run_setup(name, prof, calibrated, a, bare)
+        mine = [r for i, f in enumerate(folders) for r in sweep(name, SETUPS[name][1], prof, f, i, a)]
+        sweeps += mine
+        rows += compare(name, mine, a)
+        (a.out / "validation.json").write_text(json.dumps({"median": rows, "repeats": sweeps}, indent=1))
     md = table(rows) + "\n\n" + verdict(rows)
     (a.out / "table.md").write_text(md + "\n")
     print(md)
