@@ -6,11 +6,12 @@ same workloads with `tokenloom plan` from a profile taken in the same run, and c
                                        [--calibration-prompts 16] [--calibration-rate 0.4]
                                        [--out results/plan_validate]
 
-About 25-30 minutes on the 2-core machine with the defaults (profile ~3 min; per set-up: start, ~1 min of
-calibration, then --repeats sweeps of four Poisson rates of 40 requests each, stop). Four rates (1/4 .. 2
-x the predicted knee), not five as before --repeats: the 1/8 point alone took as long as the other four
-together (40 requests at a low rate), and three repeats of five would not fit in half an hour. Keep the
-machine otherwise quiet.
+About 15-20 minutes on the 2-core machine with the defaults at the knees predicted so far (profile ~2 min;
+per set-up: start, ~1 min of calibration, then --repeats 3 sweeps of four Poisson rates of 40 requests
+each, stop; a point's arrivals take 40 / rate seconds, so the lowest rate costs the most). Four rates (1/4
+.. 2 x the predicted knee), not five as before --repeats: the 1/8 point alone took as long as the other
+four together, and three repeats of five run about 10 minutes longer, up to 35 where a fleet's predicted
+knee is low (`--rate-fractions 0.125,0.25,0.5,1,2` brings it back). Keep the machine otherwise quiet.
 1. `tokenloom plan profile` of the embedded model with --num-threads 1 (the engine flags every server
    below gets, so two workers share the two cores the same way as one worker uses one).
 2. For each set-up in turn (one server start each): one `tokenloom serve`; a 2-worker `tokenloom
