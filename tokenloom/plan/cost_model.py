@@ -14,8 +14,8 @@ features are what dominates each phase of a CPU/GPU step:
 - fresh_pairs: the causal pairs n * (n + 1) / 2 of chunks that are their sequence's whole context (a fresh
   prompt, c = 0). On the CPU backend such a chunk attends over its fresh K/V with SDPA's flash kernel,
   a chunk that continues a cached context reads the cache through the paged prefill kernel
-  (attention/cpu.py's routing rule), and the two cost differently per pair: a profile of SmolLM2 on
-  the 2-core EPYC put the fresh path ~1.5x the paged one. This is the extra over prefill_pairs.
+  (attention/cpu.py's routing rule), and the two cost differently per pair: two profiles of SmolLM2 on
+  the 2-core EPYC put the fresh path at 1.5x and 1.7x the paged one. This is the extra over prefill_pairs.
 So a lone prefill of n tokens costs fixed + has_chunk + rows + chunk_rows + n x tokens + quadratic terms
 in n: its cost depends on the chunk size through a slope and a curve fitted from lone prefills of several
 sizes (profile.py's grid), not through one constant.
