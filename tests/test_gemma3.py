@@ -98,9 +98,10 @@ def test_engine_greedy_matches_transformers_with_preemption(tiny_gemma3: Path, b
     llm.engine.kv.pool.check_invariants()
 
 
-def test_fused_decode_refuses_gemma_and_bfloat16_runs(tiny_gemma3: Path) -> None:
-    """The C++ decode stack has none of Gemma's norms: a Gemma decodes on the Python model, in bfloat16 too."""
-    llm = LLM(str(tiny_gemma3), dtype="bfloat16", kv_cache_memory="16MiB")
+def test_fused_decode_needs_the_gemma_stack_and_bfloat16_runs(tiny_gemma3: Path) -> None:
+    """Gemma's norms, GeGLU and per-layer RoPE tables are the Gemma stack's (tests/test_gemma_stack.py): kernels
+    with only the Llama stack leave a Gemma on the Python model, which decodes in bfloat16 too."""
+    llm = LLM(str(tiny_gemma3), dtype="bfloat16", kv_cache_memory="16MiB", fused_decode=False)
     able_kernels = types.SimpleNamespace(DecodeStack=object, skinny_available=lambda: True)
     why = FusedDecoder.supports(able_kernels, llm.engine.loaded.model, torch.device("cpu"))  # type: ignore[arg-type]
     assert why is not None and "Gemma" in why

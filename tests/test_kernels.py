@@ -40,6 +40,88 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     torch.testing.assert_close(K.silu_and_mul(x), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_scaled_rms_norm_is_gemmas_norm(dtype: torch.dtype, with_residual: bool) -> None:
+    from tokenloom.models.gemma import GemmaRMSNorm
+
+    torch.manual_seed(0)
+    norm = GemmaRMSNorm(640, 1e-6)
+    norm.weight.data = torch.randn(640) * 0.5  # (1 + w) in float32: the kernel gets it unrounded
+    norm.refresh_scale()
+    x = (torch.randn(9, 640) * 3).to(dtype)
+    res = torch.randn(9, 640).to(dtype) if with_residual else None
+    want, want_res = norm.reference(x, res)
+    got, got_res = K.scaled_rms_norm(x, res, norm._scale, 1e-6)
+    torch.testing.assert_close(got, want, **TOL.get(dtype, dict(rtol=2e-3, atol=2e-3)))
+    assert torch.equal(got_res, want_res)  # the residual sum is exact
+    if dtype == torch.bfloat16:  # float32 arithmetic, one rounding: all but a rare last-place tie agree
+        assert (got != want).float().mean().item() < 0.01
+
+
+def test_scaled_rms_norm_of_per_head_views_of_a_fused_projection() -> None:
+    from tokenloom.models.gemma import GemmaRMSNorm
+
+    torch.manual_seed(1)
+    t, hq, hkv, d = 7, 4, 1, 256
+    qkv = torch.randn(t, (hq + 2 * hkv) * d).bfloat16()
+    q = qkv[:, : hq * d].view(t, hq, d)  # token stride (hq + 2 hkv) d: not contiguous
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    norm = GemmaRMSNorm(d, 1e-6)
+    norm.weight.data = torch.randn(d) * 0.3
+    norm.refresh_scale()
+    for part in (q, k):
+        got, _ = K.scaled_rms_norm(part, None, norm._scale, 1e-6)
+        want = norm.reference(part.contiguous())[0]
+        assert got.shape == part.shape and got.is_contiguous()
+        torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
+    one = q[:1]  # a single token: its stride(0) is never used
+    torch.testing.assert_close(K.scaled_rms_norm(one, None, norm._scale, 1e-6)[0], norm.reference(one.contiguous())[0],
+                               **TOL[torch.bfloat16])
+
+
+def test_scaled_rms_norm_rejects_bad_inputs() -> None:
+    x = torch.randn(3, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="scale must be"):
+        K.scaled_rms_norm(x, None, torch.ones(8).bfloat16(), 1e-6)  # the scale is float32
+    with pytest.raises(RuntimeError, match="residual"):
+        K.scaled_rms_norm(x, torch.randn(3, 4).bfloat16(), torch.ones(8), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul(dtype: torch.dtype) -> None:
+    torch.manual_seed(3)
+    x = (torch.randn(13, 2 * 300) * 4).to(dtype)
+    want = torch.nn.functional.gelu(x[:, :300], approximate="tanh") * x[:, 300:]
+    got = K.gelu_tanh_and_mul(x)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    if dtype == torch.bfloat16:  # tanh by exp_fast, not torch's: a last-place difference at a rounding tie, rarely
+        assert (got != want).float().mean().item() < 0.05
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 33, 1000, 262144])
+def test_first_argmax_is_torchs_first_index(vocab: int) -> None:
+    torch.manual_seed(4)
+    x = torch.randn(4, vocab)
+    if vocab > 20:
+        x[1, 3] = x[1, vocab - 2] = x[1].max() + 1.0  # a tie: the first index wins, in another 16-lane group
+        x[2, :] = 0.0  # every value tied
+        x[3, vocab - 1] = float("inf")
+    want = x.max(dim=-1).indices
+    assert torch.equal(K.first_argmax(x), want)
+    assert torch.equal(K.first_argmax(x[1:3]), want[1:3])  # row views of a wider tensor
+    wide = torch.randn(3, vocab + 7)[:, :vocab]  # a row stride that is not the vocabulary
+    assert torch.equal(K.first_argmax(wide), wide.max(dim=-1).indices)
+
+
+def test_first_argmax_answers_nan_as_torch() -> None:
+    x = torch.randn(2, 100)
+    x[0, 40] = float("nan")
+    x[0, 70] = float("nan")
+    x[1, 99] = float("nan")  # in the scalar tail
+    assert K.first_argmax(x).tolist() == x.max(dim=-1).indices.tolist() == [40, 99]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 80])
 def test_rotary_inplace_on_fused_qkv_views(dtype: torch.dtype, head_dim: int) -> None:

@@ -103,10 +103,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         return _calibrate(config, loaded, model, backend, device) if kv_format.per_head_scales else None
 
     kv_tensors = allocate_kv_cache(spec, capacity.num_blocks, device, scales(loaded.model), groups)
-    fused = (build_fused_decoder(backend.kernels, loaded.model, kv_tensors, device)
+    fused = (build_fused_decoder(backend.kernels, loaded.model, kv_tensors, device, backend)
              if config.fused_decode and isinstance(backend, CPUBackend) else None)
     runner = ModelRunner(loaded.model, kv_tensors, config.block_size, backend, device, fused)
-    sampler = Sampler(config.seed, device)
+    sampler = Sampler(config.seed, device, backend.kernels if isinstance(backend, CPUBackend) else None)
     proposer: Proposer | None = None
     if config.speculative == "ngram":
         proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)

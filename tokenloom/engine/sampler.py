@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 
@@ -109,8 +110,10 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, device: torch.device | None = None) -> None:
+    def __init__(self, seed: int = 0, device: torch.device | None = None, kernels: ModuleType | None = None) -> None:
         self.device = torch.device(device or "cpu")
+        # The C++ first_argmax (CPU kernels, when built): torch reduces one long row on one thread
+        self.kernels = kernels if kernels is not None and hasattr(kernels, "first_argmax") else None
         # Requests without a seed share this generator: reproducible per engine run, not per request.
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -173,11 +176,11 @@ class Sampler:
             lp.apply_grammar(logits, seqs, batch.constrained)
 
         if batch.args is None:  # every plain row is greedy
-            token_ids = first_argmax(logits)
+            token_ids = self.argmax(logits)
         else:
             token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
             if batch.greedy:
-                token_ids[batch.greedy] = first_argmax(logits[batch.greedy])
+                token_ids[batch.greedy] = self.argmax(logits[batch.greedy])
             probs = self.probs_from(batch.args, logits[batch.sampled])
             token_ids[batch.sampled] = self._sample(probs, [seqs[i] for i in batch.sampled])
 
@@ -239,7 +242,13 @@ class Sampler:
         for i, s in enumerate(seqs):
             if s.generator is not None:
                 noise[i].exponential_(generator=s.generator)
-        return first_argmax(probs / noise)
+        return self.argmax(probs / noise)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """first_argmax, through the C++ kernel where it applies (float32 rows on CPU)."""
+        if self.kernels is not None and x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1:
+            return self.kernels.first_argmax(x)
+        return first_argmax(x)
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Kernels: paged decode and prefill attention, KV cache writes (INT8: quantized on the way), residual add + RMSNorm,
 SiLU-and-mul, rotary embedding, few-row bf16 matmul (decode and speculative verification steps), the
 weight-only int8 / int4 matmuls and the GGUF K-quant / Q5_0 ones (csrc/kquant.cpp) of tokenloom/quant, and
-the decode stack that calls them all for a whole decode step (csrc/decode_stack.cpp, engine/fused_decode.py).
+the decode stacks that call them all for a whole decode step (csrc/decode_stack.cpp for the Llama family,
+csrc/gemma_stack.cpp for Gemma; engine/fused_decode.py).
 Each has a pure-torch twin (models/layers.py, attention/sdpa.py, attention/paged_kv.py, quant/linear.py,
 quant/kquant.py, the Python model) that is the test oracle and the path on CUDA.
 
@@ -45,7 +46,7 @@ _CSRC = Path(__file__).parent / "csrc"
 
 
 _SOURCES = ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "kv_write.cpp", "elementwise.cpp", "skinny_gemm.cpp",
-            "quant_gemm.cpp", "kquant.cpp", "decode_stack.cpp")
+            "quant_gemm.cpp", "kquant.cpp", "decode_stack.cpp", "gemma_stack.cpp")
 
 
 # How long a start-up waits for another process's kernel build before using the torch path instead.

@@ -36,8 +36,12 @@ CosSin = tuple[torch.Tensor, torch.Tensor]  # RoPE cos, sin per token: (T, 1, he
 
 class GemmaRMSNorm(RMSNorm):
     """RMSNorm scaling by (1 + w): normalized and scaled in float32, then cast (transformers' Gemma3RMSNorm;
-    the checkpoint stores w, centred on 0). Always the torch path: the C++ add_rms_norm scales by w in the
-    model dtype, and (1 + w) rounded to bfloat16 would lose w's low bits."""
+    the checkpoint stores w, centred on 0). Not the C++ add_rms_norm, which scales by w in the model dtype:
+    (1 + w) rounded to bfloat16 would lose w's low bits. With `kernels` set, the C++ scaled_rms_norm does this
+    arithmetic with the float32 (1 + w) in one call (a decode step runs 6 of these a layer: the torch ops
+    below dispatch ~10 aten calls each); `reference` is its oracle."""
+
+    kernels: ModuleType | None = None  # the C++ scaled_rms_norm when set (CPU); else torch's fused rms_norm
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__(hidden_size, eps)
@@ -52,11 +56,15 @@ class GemmaRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # The reference's arithmetic in torch's fused rms_norm: 4 ops instead of 9 (a decode step runs 6 of
         # these a layer; 16 -> 12 us each on Zen 4), the same float32 values.
-        if residual is not None:
-            x = x + residual
         if self._scale is None:
             self.refresh_scale()
         scale = self._scale
+        k = self.kernels
+        if k is not None and x.is_cpu and x.stride(-1) == 1 \
+                and (residual is None or (x.is_contiguous() and residual.is_contiguous())):
+            return k.scaled_rms_norm(x, residual, scale, self.eps)
+        if residual is not None:
+            x = x + residual
         return F.rms_norm(x.float(), scale.shape, scale, self.eps).to(x.dtype), x
 
     def reference(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,10 +76,14 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class GeGLU(SwiGLU):
-    """down(gelu_tanh(gate(x)) * up(x)), gate and up fused into one matmul (SwiGLU's layout and weights)."""
+    """down(gelu_tanh(gate(x)) * up(x)), gate and up fused into one matmul (SwiGLU's layout and weights);
+    with `kernels` set (SwiGLU's attribute), the activation is the C++ gelu_tanh_and_mul."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, intermediate) each
+        gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate)
+        if self.kernels is not None and gate_up.is_cpu:
+            return self.down_proj(self.kernels.gelu_tanh_and_mul(gate_up.contiguous()))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # (T, intermediate) each
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
@@ -157,25 +169,35 @@ class Gemma3ForCausalLM(nn.Module):
         kv_caches: list[LayerKVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # (T, hidden) final hidden states
-        x = self.embed_tokens(input_ids)
-        # transformers rounds sqrt(hidden) to the weights' dtype before multiplying (25.3 -> 25.25 in bfloat16)
-        x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=torch.float32).to(x.dtype)
-        rope_global = self.rotary.lookup(positions, x.dtype)
-        rope_local = rope_global if self.rotary_local is None else self.rotary_local.lookup(positions, x.dtype)
+        x = self.embed(input_ids)
+        rope_global, rope_local = self.rope(positions, x.dtype)
         residual: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(rope_local if layer.local else rope_global, x, residual, kv, meta)
         return self.norm(x, residual)[0]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(T,) -> (T, hidden) embeddings times sqrt(hidden), that factor rounded to the model dtype first
+        (transformers does: 25.3 -> 25.25 in bfloat16)."""
+        x = self.embed_tokens(input_ids)
+        return x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=torch.float32).to(x.dtype)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[CosSin, CosSin]:
+        """The global and the local layers' RoPE cos/sin of `positions` (the same table without a local base)."""
+        rope_global = self.rotary.lookup(positions, dtype)
+        return rope_global, rope_global if self.rotary_local is None else self.rotary_local.lookup(positions, dtype)
+
     def set_kernels(self, kernels: ModuleType | None) -> None:
-        """Few-row matmuls and RoPE through the C++ kernels (None: the torch ops). The norms and GeGLU stay
-        on torch: the kernels have neither (1 + w) norms nor GELU."""
+        """Few-row matmuls, RoPE, the (1 + w) norms and GeGLU through the C++ kernels (None: the torch ops)."""
         skinny = kernels if kernels is not None and kernels.skinny_available() else None
+        gemma_ops = kernels if kernels is not None and hasattr(kernels, "scaled_rms_norm") else None
         for m in self.modules():
             if isinstance(m, GemmaAttention):
                 m.kernels = kernels
             elif isinstance(m, Linear):
                 m.kernels = skinny
+            elif isinstance(m, (GemmaRMSNorm, GeGLU)):
+                m.kernels = gemma_ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32 logits, soft-capped in the model dtype as transformers does."""

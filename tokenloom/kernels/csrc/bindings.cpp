@@ -18,6 +18,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "scales; returns the dequantized K and V");
   m.def("add_rms_norm", &add_rms_norm, "optional residual add + RMSNorm; returns (normed, new residual)");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation: silu(gate) * up");
+  m.def("scaled_rms_norm", &scaled_rms_norm, "optional residual add + RMSNorm scaled by a float32 (H,) vector in "
+        "float32 (Gemma's (1 + w)); x (T, H) or (T, heads, H) with a contiguous last dim; returns (normed, new residual)",
+        py::arg("x"), py::arg("residual"), py::arg("scale"), py::arg("eps"));
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "GeGLU activation: gelu_tanh(gate) * up");
+  m.def("first_argmax", &first_argmax, "(R, V) float32 -> (R,) int64 index of each row's largest value (first on "
+        "ties; a NaN wins, as torch's max)");
   m.def("apply_token_bitmask", &apply_token_bitmask, "structured outputs: logits[r, j] = -inf where bit j of "
         "bitmask[r] is 0, for the listed rows (float32 logits, int32 bitmask)");
   m.def("rotary_inplace", &rotary_inplace, "neox rotary embedding applied in place to q and k");
@@ -43,4 +49,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return d;
   }, "the limits shared with Python (tokenloom/kernels/limits.py) this build was compiled with");
   bind_decode_stack(m);
+  bind_gemma_stack(m);
 }

@@ -13,58 +13,10 @@
 //   a = paged_decode(q, cache, tables)      h, res = add_rms_norm(o_proj(a), res)
 //   x = down(silu_and_mul(gate_up(h)))
 // and after the last layer the final norm: the hidden states the Python model returns.
-#include <ATen/core/dispatch/Dispatcher.h>
-
 #include <tuple>
 #include <vector>
 
-#include "kernels.h"
-
-namespace {
-
-// x @ w.T (+ bias) with w already in oneDNN's blocked layout: the op Linear.forward calls for a packed
-// weight (torch.ops.mkldnn._linear_pointwise), reached through the dispatcher as ATen has no C++ API
-// for it.
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
-                            c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
-  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
-}
-
-}  // namespace
-
-// One linear layer as models/layers.py Linear or quant/linear.py QuantLinear computes it on CPU.
-struct FusedLinear {
-  at::Tensor weight;                    // dense: (N, K) bfloat16; quantized: the codes in kernel layout
-  c10::optional<at::Tensor> scales;     // quantized: (N, G) float16
-  c10::optional<at::Tensor> mins;       // int4: (N, G) float16
-  c10::optional<at::Tensor> bias;       // (N,) bfloat16
-  int64_t bits;                         // 16: dense bfloat16; 8 or 4: weight-only quantized
-  c10::optional<at::Tensor> packed;     // dense: Linear.packed, the weight in oneDNN's blocked layout
-
-  FusedLinear(at::Tensor weight_, c10::optional<at::Tensor> scales_, c10::optional<at::Tensor> mins_,
-              c10::optional<at::Tensor> bias_, int64_t bits_, c10::optional<at::Tensor> packed_)
-      : weight(std::move(weight_)), scales(std::move(scales_)), mins(std::move(mins_)), bias(std::move(bias_)),
-        bits(bits_), packed(std::move(packed_)) {
-    TORCH_CHECK(bits == 16 || !packed.has_value(), "FusedLinear: only a dense layer has a packed weight");
-    TORCH_CHECK(bits == 16 || bits == 8 || bits == 4, "FusedLinear: bits must be 16, 8 or 4");
-    TORCH_CHECK(bits == 16 || scales.has_value(), "FusedLinear: a quantized layer needs its scales");
-    TORCH_CHECK(bits != 16 || (weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.dim() == 2),
-                "FusedLinear: a dense layer needs a contiguous (N, K) bfloat16 weight");
-  }
-
-  at::Tensor operator()(const at::Tensor& x) const {
-    if (bits != 16) return quant_linear(x, weight, *scales, mins, bits, bias, /*route=*/0);
-    // The choice Linear.forward makes: packed for 2..kPackedMaxRows rows; skinny for 1 (for up to
-    // kSkinnyMaxRows without packed).
-    if (packed.has_value() && x.size(0) >= 2 && x.size(0) <= kPackedMaxRows) return packed_linear(x, *packed, bias);
-    if (x.size(0) <= (packed.has_value() ? 1 : kSkinnyMaxRows)) return skinny_linear(x, weight, bias);
-    return at::linear(x, weight, bias);  // oneDNN for many rows, as F.linear in Linear.forward
-  }
-};
+#include "fused_linear.h"
 
 struct FusedLayer {
   at::Tensor input_norm, post_norm;  // (hidden,) bfloat16
@@ -138,9 +90,12 @@ void bind_decode_stack(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<FusedLinear>(m, "FusedLinear", "a linear layer as the decode stack calls it")
       .def(py::init<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                    int64_t, c10::optional<at::Tensor>>(),
+                    int64_t, c10::optional<at::Tensor>, int64_t>(),
            py::arg("weight"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("bits"),
-           py::arg("packed") = py::none());
+           py::arg("packed") = py::none(), py::arg("route") = 0)
+      .def_static("kquant", &FusedLinear::kquant, "a KQuantLinear's GGUF blocks", py::arg("blocks"), py::arg("qtype"),
+                  py::arg("route"), py::arg("bias"))
+      .def_static("concat", &FusedLinear::concat, "a PartsLinear: the parts' outputs concatenated", py::arg("parts"));
   py::class_<DecodeStack>(m, "DecodeStack", "a Llama-family decoder stack's decode step in one call")
       .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor>(), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"),

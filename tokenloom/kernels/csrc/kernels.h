@@ -62,6 +62,10 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
+std::tuple<at::Tensor, at::Tensor> scaled_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                                   const at::Tensor& scale, double eps);
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x);
+at::Tensor first_argmax(const at::Tensor& logits);
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
 void rotary_inplace(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
 // kv_write.cpp
@@ -87,3 +91,5 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
 std::vector<std::string> kquant_routes();
 // decode_stack.cpp
 void bind_decode_stack(pybind11::module_& m);
+// gemma_stack.cpp
+void bind_gemma_stack(pybind11::module_& m);

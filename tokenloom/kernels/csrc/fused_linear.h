@@ -1,0 +1,85 @@
+// One linear layer as the decode stacks (decode_stack.cpp, gemma_stack.cpp) call it: the kernel the
+// Python layer's forward would call, with the same arguments, so a stack's result is the Python model's.
+#pragma once
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <vector>
+
+#include "kernels.h"
+
+// x @ w.T (+ bias) with w already in oneDNN's blocked layout: the op Linear.forward calls for a packed
+// weight (torch.ops.mkldnn._linear_pointwise), reached through the dispatcher as ATen has no C++ API
+// for it.
+inline at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                            c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+}
+
+// The layer kinds, as the Python layers: models/layers.py Linear (dense bfloat16, bits 16), quant/linear.py
+// QuantLinear (bits 8 or 4), quant/kquant.py KQuantLinear (GGUF blocks of `qtype`: FusedLinear::kquant) and
+// quant/parts.py PartsLinear (several of these on the same x, outputs concatenated: FusedLinear::concat).
+struct FusedLinear {
+  static constexpr int64_t kKQuant = 0, kParts = -1;  // `bits` of the two kinds without a bit width
+
+  at::Tensor weight;                    // dense: (N, K) bfloat16; quantized: the codes in kernel layout;
+                                        // K-quant: (N, row bytes) uint8 GGUF blocks
+  c10::optional<at::Tensor> scales;     // quantized: (N, G) float16
+  c10::optional<at::Tensor> mins;       // int4: (N, G) float16
+  c10::optional<at::Tensor> bias;       // (N,) bfloat16
+  int64_t bits;                         // 16: dense bfloat16; 8 or 4: weight-only quantized; kKQuant; kParts
+  c10::optional<at::Tensor> packed;     // dense: Linear.packed, the weight in oneDNN's blocked layout
+  int64_t qtype = 0;                    // K-quant: the GGUF type
+  int64_t route = 0;                    // quantized and K-quant: the kernel's route id (0: auto), the layer's
+  std::vector<FusedLinear> parts;       // kParts: the layers whose outputs are concatenated
+
+  FusedLinear(at::Tensor weight_, c10::optional<at::Tensor> scales_, c10::optional<at::Tensor> mins_,
+              c10::optional<at::Tensor> bias_, int64_t bits_, c10::optional<at::Tensor> packed_, int64_t route_ = 0)
+      : weight(std::move(weight_)), scales(std::move(scales_)), mins(std::move(mins_)), bias(std::move(bias_)),
+        bits(bits_), packed(std::move(packed_)), route(route_) {
+    TORCH_CHECK(bits == 16 || !packed.has_value(), "FusedLinear: only a dense layer has a packed weight");
+    TORCH_CHECK(bits == 16 || bits == 8 || bits == 4, "FusedLinear: bits must be 16, 8 or 4");
+    TORCH_CHECK(bits == 16 || scales.has_value(), "FusedLinear: a quantized layer needs its scales");
+    TORCH_CHECK(bits != 16 || (weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.dim() == 2),
+                "FusedLinear: a dense layer needs a contiguous (N, K) bfloat16 weight");
+  }
+
+  // KQuantLinear: its (N, row bytes) blocks as kquant_linear takes them (Q5_0 already in planes).
+  static FusedLinear kquant(at::Tensor blocks, int64_t qtype, int64_t route, c10::optional<at::Tensor> bias) {
+    TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+                "FusedLinear.kquant: contiguous (N, row bytes) uint8 blocks");
+    FusedLinear f(at::empty({0, 0}, at::kBFloat16), c10::nullopt, c10::nullopt, std::move(bias), 16, c10::nullopt, route);
+    f.weight = std::move(blocks);
+    f.bits = kKQuant;
+    f.qtype = qtype;
+    return f;
+  }
+
+  // PartsLinear: each part on the same x, outputs concatenated along the features.
+  static FusedLinear concat(std::vector<FusedLinear> parts) {
+    TORCH_CHECK(!parts.empty(), "FusedLinear.concat: no parts");
+    FusedLinear f(at::empty({0, 0}, at::kBFloat16), c10::nullopt, c10::nullopt, c10::nullopt, 16, c10::nullopt);
+    f.bits = kParts;
+    f.parts = std::move(parts);
+    return f;
+  }
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (bits == kParts) {
+      std::vector<at::Tensor> outs;
+      outs.reserve(parts.size());
+      for (const FusedLinear& p : parts) outs.push_back(p(x));
+      return at::cat(outs, -1);
+    }
+    if (bits == kKQuant) return kquant_linear(x, weight, qtype, route, bias);
+    if (bits != 16) return quant_linear(x, weight, *scales, mins, bits, bias, route);
+    // The choice Linear.forward makes: packed for 2..kPackedMaxRows rows; skinny for 1 (for up to
+    // kSkinnyMaxRows without packed).
+    if (packed.has_value() && x.size(0) >= 2 && x.size(0) <= kPackedMaxRows) return packed_linear(x, *packed, bias);
+    if (x.size(0) <= (packed.has_value() ? 1 : kSkinnyMaxRows)) return skinny_linear(x, weight, bias);
+    return at::linear(x, weight, bias);  // oneDNN for many rows, as F.linear in Linear.forward
+  }
+};
