@@ -7,12 +7,12 @@ weights and KV cache tensors (shared, not copied) and calls the same kernels in 
 states equal the Python model's bit for bit (tests/test_decode_stack.py, tests/test_gemma_stack.py). It serves
 only steps whose every row is a decode row (plan.all_decode), on CPU, for bfloat16 models whose linears are
 bfloat16 `Linear`, the C++ `QuantLinear` or `KQuantLinear` (GGUF K-quants), or a `PartsLinear` of those.
-- Llama family (LlamaStack): no q/k norm (Qwen3), no partial rotary (Phi-4-mini), no mixture of experts
+- Llama family (C++ DecodeStack): no q/k norm (Qwen3), no partial rotary (Phi-4-mini), no mixture of experts
   (Mixtral, Qwen2/3-MoE), and one window for every layer: a model mixing sliding and full layers (several KV
   groups, engine/kv_cache.py) stays on the Python model; an all-windowed one (Mistral) runs here, its kernel
   reading only the last `window` positions, never the released blocks before them
   (tests/test_sliding_window.py). LongRoPE needs nothing of it: cos/sin come from the model's table.
-- Gemma (GemmaStack): its four (1 + w) norms a layer, q/k norms, GeGLU, a RoPE table and a window per layer
+- Gemma (C++ GemmaDecodeStack): its four (1 + w) norms a layer, q/k norms, GeGLU, a RoPE table and a window per layer
   kind, and a KV group per layer, each group's slots and block tables passed to the stack; Gemma 2's
   attention soft-capping too.
 Everything else stays on the Python model.
