@@ -1,6 +1,7 @@
 """Prepacked weights (models/layers.py Linear.prepack, --prepack-weights): the oneDNN-blocked copy computes
-x @ W.T to bfloat16 rounding, serves exactly the matmuls of 2..PACKED_MAX_ROWS rows, and changes no token
-the engine produces."""
+x @ W.T to bfloat16 rounding, serves exactly the matmuls from past the skinny kernel's rows (1, or the
+measured crossover of models/dense_routing.py) to PACKED_MAX_ROWS rows, and changes no token the engine
+produces."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch.nn.functional as F
 from tokenloom import LLM, SamplingParams
 from tokenloom.cli import build_parser, engine_config
 from tokenloom.kernels import load_cpu_kernels
+from tokenloom.kernels.limits import SKINNY_MAX_ROWS
+from tokenloom.models import dense_routing
 from tokenloom.models.layers import PACKED_MAX_ROWS, Linear, prepack_available, prepackable
 
 pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN bfloat16 matmul here")
@@ -44,18 +47,32 @@ def test_packed_matmul_matches_float32_reference(rows: int, bias: bool, shape: t
         torch.testing.assert_close(got.float(), F.linear(inp.float(), lin.weight.float(), b), rtol=8e-3, atol=2e-2)
 
 
-def test_packed_copy_serves_two_to_packed_max_rows() -> None:
-    """Routing: give the packed copy a different weight and see which rows it answers."""
-    lin = _linear(64, 96, bias=False)
-    other = torch.randn(64, 96).bfloat16()
-    lin.packed = torch.ops.mkldnn._reorder_linear_weight(other, 16)
-    x = torch.randn(PACKED_MAX_ROWS + 1, 96).bfloat16()
-    for rows in (2, 5, 9, PACKED_MAX_ROWS):
-        torch.testing.assert_close(lin(x[:rows]), F.linear(x[:rows], other), rtol=8e-3, atol=2e-2)
-    # One row: the skinny kernel (or F.linear) on the plain weight; more than PACKED_MAX_ROWS: F.linear.
-    want = K.skinny_linear(x[:1], lin.weight, None) if SKINNY is not None else F.linear(x[:1], lin.weight)
-    assert torch.equal(lin(x[:1]), want)
-    assert torch.equal(lin(x), F.linear(x, lin.weight))
+@pytest.mark.parametrize("skinny_rows", [1, SKINNY_MAX_ROWS])
+def test_packed_copy_serves_the_rows_past_the_skinny_ones(skinny_rows: int) -> None:
+    """Routing: give the packed copy a different weight and see which rows it answers. Up to the measured
+    crossover (models/dense_routing.py; forced here) the skinny kernel answers from the plain weight."""
+    if SKINNY is None and skinny_rows > 1:
+        pytest.skip("the skinny kernel needs AVX512-BF16")
+    before = Linear.skinny_rows_packed
+    if SKINNY is not None:
+        dense_routing.apply(K, skinny_rows)
+    try:
+        lin = _linear(64, 96, bias=False)
+        other = torch.randn(64, 96).bfloat16()
+        lin.packed = torch.ops.mkldnn._reorder_linear_weight(other, 16)
+        x = torch.randn(PACKED_MAX_ROWS + 1, 96).bfloat16()
+        for rows in (2, 5, 9, PACKED_MAX_ROWS):
+            if rows <= skinny_rows:
+                assert torch.equal(lin(x[:rows]), K.skinny_linear(x[:rows], lin.weight, None))
+            else:
+                torch.testing.assert_close(lin(x[:rows]), F.linear(x[:rows], other), rtol=8e-3, atol=2e-2)
+        # One row: the skinny kernel (or F.linear) on the plain weight; more than PACKED_MAX_ROWS: F.linear.
+        want = K.skinny_linear(x[:1], lin.weight, None) if SKINNY is not None else F.linear(x[:1], lin.weight)
+        assert torch.equal(lin(x[:1]), want)
+        assert torch.equal(lin(x), F.linear(x, lin.weight))
+    finally:
+        if SKINNY is not None:
+            dense_routing.apply(K, before)
 
 
 def test_prepacking_packs_every_dense_bf16_layer(tiny_llama: Path) -> None:

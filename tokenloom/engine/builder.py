@@ -25,6 +25,7 @@ from tokenloom.engine.kv_calibration import calibrate_kv_scales, calibration_pro
 from tokenloom.engine.runner import ModelRunner
 from tokenloom.engine.sampler import Sampler
 from tokenloom.errors import ConfigError
+from tokenloom.models.dense_routing import choose as choose_dense_routing
 from tokenloom.models.layers import PACKED_MAX_ROWS, prepack_available, prepackable
 from tokenloom.models.llama import LlamaForCausalLM
 from tokenloom.models.loader import LoadedModel, load_model
@@ -131,34 +132,38 @@ def _attach_cpu_kernels(config: EngineConfig, loaded: LoadedModel, backend: Atte
     if not isinstance(backend, CPUBackend):
         return None
     loaded.model.set_kernels(backend.kernels)
-    _prepack(config, loaded, device)
+    if _prepack(config, loaded, device) and hasattr(backend.kernels, "set_skinny_packed_max_rows") \
+            and backend.kernels.skinny_available():
+        choose_dense_routing(backend.kernels)  # where the skinny kernel hands 2..8 rows over to the packed copies
     if hasattr(backend.kernels, "set_quant_tile_max_rows") and any(
             isinstance(m, (QuantLinear, KQuantLinear)) for m in loaded.model.modules()):
         return choose_quant_routing(backend.kernels, config.quant_tile_max_rows)
     return None
 
 
-def _prepack(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
-    """--prepack-weights: oneDNN-blocked copies of the dense bfloat16 linears (models/layers.py Linear)."""
+def _prepack(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> bool:
+    """--prepack-weights: oneDNN-blocked copies of the dense bfloat16 linears (models/layers.py Linear).
+    Whether any layer was packed."""
     if not config.prepack_weights or loaded.dtype != torch.bfloat16:
-        return
+        return False
     if not prepack_available():
         log.info("weight prepacking off: this torch build has no oneDNN bfloat16 matmul on this CPU")
-        return
+        return False
     layers = prepackable(loaded.model)
     need = sum(m.weight.numel() * m.weight.element_size() for m in layers)
     if need == 0:  # every linear is quantized
-        return
+        return False
     free = free_memory_bytes(device)
     if need > free // 2:  # a second copy must not crowd out the KV cache (or the machine)
         log.warning("not prepacking %s's linear weights: the copy needs %.2f GiB of %.2f GiB free; prefill "
                     "and batched decode run slower (--no-prepack-weights silences this)", loaded.name,
                     need / 2**30, free / 2**30)
-        return
+        return False
     # oneDNN picks its blocking for a typical row count: a step's decode rows, within what packed serves.
     for m in layers:
         m.prepack(min(config.max_num_seqs, PACKED_MAX_ROWS))
     log.info("prepacked %s's dense linear weights for oneDNN: %.1f MB more", loaded.name, need / 1e6)
+    return True
 
 
 def _calibrate(config: EngineConfig, target: LoadedModel, model: LlamaForCausalLM, backend: AttentionBackend,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from types import ModuleType
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -38,13 +39,17 @@ class Linear(nn.Linear):
       (AMX) matmul itself. On the machines measured the packed matmul gives F.linear's values bit for bit
       at these row counts (oneDNN does not promise it; tests/test_prepack.py checks them to bf16 rounding).
     - `kernels.skinny_linear`: the C++ kernel that streams the weight once, for one row (single-stream
-      decode) and, when there is no packed copy, for up to SKINNY_MAX_ROWS rows.
+      decode) and, up to `skinny_rows_packed` rows (measured per CPU: models/dense_routing.py) or when there
+      is no packed copy, for up to SKINNY_MAX_ROWS rows.
     Prefill chunks of more rows go to F.linear. engine/fused_decode.py's C++ FusedLinear makes the same
     choice from the same tensors.
     """
 
     kernels: ModuleType | None = None  # set only when the kernel has its AVX512-BF16 fast path
     packed: torch.Tensor | None = None  # oneDNN-blocked copy of `weight` (an opaque mkldnn tensor)
+    # Rows up to which the skinny kernel serves a layer that has a packed copy too: process-wide, measured
+    # per CPU at start-up (models/dense_routing.py, which sets the C++ stack's copy of it alongside).
+    skinny_rows_packed: ClassVar[int] = 1
 
     def prepack(self, rows_hint: int) -> int:
         """Keep a oneDNN-blocked copy of the (frozen) bfloat16 weight; returns its bytes. `rows_hint` is the
@@ -54,13 +59,13 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else 0
-        if self.packed is not None and 2 <= rows <= PACKED_MAX_ROWS and x.dtype == torch.bfloat16:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         k = self.kernels
-        if (k is not None and 0 < rows <= (1 if self.packed is not None else SKINNY_MAX_ROWS)
+        if (k is not None and 0 < rows <= (Linear.skinny_rows_packed if self.packed is not None else SKINNY_MAX_ROWS)
                 and x.dtype == torch.bfloat16 and x.is_cpu and self.weight.dtype == torch.bfloat16
                 and self.weight.is_contiguous()):
             return k.skinny_linear(x, self.weight, self.bias)
+        if self.packed is not None and 2 <= rows <= PACKED_MAX_ROWS and x.dtype == torch.bfloat16:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 

@@ -29,6 +29,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, "neox rotary embedding applied in place to q and k");
   m.def("skinny_linear", &skinny_linear, "x @ w.T (+ bias) for 1..SKINNY_MAX_ROWS bfloat16 rows, weights streamed once");
   m.def("skinny_available", &skinny_available, "whether skinny_linear has its AVX512-BF16 fast path");
+  m.def("skinny_packed_max_rows", &skinny_packed_max_rows, "rows up to which skinny_linear serves a dense layer "
+        "that has a prepacked oneDNN copy too (models/dense_routing.py)");
+  m.def("set_skinny_packed_max_rows", &set_skinny_packed_max_rows, "set skinny_packed_max_rows (1..SKINNY_MAX_ROWS)");
   m.def("quant_linear", &quant_linear,
         "x @ dequant(W).T (+ bias): bfloat16 x (M, K), int8 (N, Kp) or int4 (N, Kp/2) codes, float16 scales (N, G) "
         "and int4 mins (N, G), in the layout of tokenloom/quant/layout.py; route 0 auto, 1 vnni, 2 expand (bf16 + oneDNN)");

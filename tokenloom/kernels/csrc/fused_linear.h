@@ -76,10 +76,11 @@ struct FusedLinear {
     }
     if (bits == kKQuant) return kquant_linear(x, weight, qtype, route, bias);
     if (bits != 16) return quant_linear(x, weight, *scales, mins, bits, bias, route);
-    // The choice Linear.forward makes: packed for 2..kPackedMaxRows rows; skinny for 1 (for up to
-    // kSkinnyMaxRows without packed).
-    if (packed.has_value() && x.size(0) >= 2 && x.size(0) <= kPackedMaxRows) return packed_linear(x, *packed, bias);
-    if (x.size(0) <= (packed.has_value() ? 1 : kSkinnyMaxRows)) return skinny_linear(x, weight, bias);
+    // The choice Linear.forward makes: skinny up to skinny_packed_max_rows() rows where there is a packed
+    // copy (measured per CPU), up to kSkinnyMaxRows where there is none; packed up to kPackedMaxRows.
+    const int64_t m = x.size(0);
+    if (m <= (packed.has_value() ? skinny_packed_max_rows() : kSkinnyMaxRows)) return skinny_linear(x, weight, bias);
+    if (packed.has_value() && m <= kPackedMaxRows) return packed_linear(x, *packed, bias);
     return at::linear(x, weight, bias);  // oneDNN for many rows, as F.linear in Linear.forward
   }
 };

@@ -76,6 +76,9 @@ std::tuple<at::Tensor, at::Tensor> write_kv_int8(const at::Tensor& k, const at::
 // skinny_gemm.cpp
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 bool skinny_available();
+// Rows up to which skinny_linear serves a dense layer that has a prepacked copy too (1..kSkinnyMaxRows).
+int64_t skinny_packed_max_rows();
+void set_skinny_packed_max_rows(int64_t rows);
 // quant_gemm.cpp
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias,

@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -76,6 +77,17 @@ void skinny_kernel(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BF
 }
 
 }  // namespace
+
+// Rows up to which a dense layer that also has a prepacked oneDNN copy takes skinny_linear instead (1: only
+// single rows; models/dense_routing.py measures it per CPU at start-up). Process-wide, as the packed copies.
+static std::atomic<int64_t> g_skinny_packed_max_rows{1};
+
+int64_t skinny_packed_max_rows() { return g_skinny_packed_max_rows.load(std::memory_order_relaxed); }
+
+void set_skinny_packed_max_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1 && rows <= kSkinnyMaxRows, "set_skinny_packed_max_rows: 1..", kSkinnyMaxRows, " rows");
+  g_skinny_packed_max_rows.store(rows, std::memory_order_relaxed);
+}
 
 bool skinny_available() {
 #ifdef TOKENLOOM_DPBF16
