@@ -70,6 +70,6 @@ def test_decode_stack_equals_the_python_model_on_either_route(tiny_llama: Path, 
     llm = LLM(str(tiny_llama), dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, block_size=4)
     dense_routing.apply(K, skinny_rows)  # after the engine's own measurement
     served = check_every_fused_step(llm)
-    llm.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+    llm.generate(PROMPTS[:5], SamplingParams(max_tokens=12, ignore_eos=True))  # steps of 5 rows
     assert served and all(same for _, same in served)
     assert any(2 <= n <= SKINNY_MAX_ROWS for n, _ in served)  # rows the two routes split differently
