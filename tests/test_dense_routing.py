@@ -58,8 +58,9 @@ def test_calibration_times_every_count_and_picks_within_bounds() -> None:
 def test_engine_start_measures_and_logs_the_crossover(tiny_llama: Path, restore_routing: None,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("INFO", logger="tokenloom.models"):
-        LLM(str(tiny_llama), dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=128)
+        llm = LLM(str(tiny_llama), dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=128)
     routing = dense_routing.measured(K)
+    assert llm.engine.dense_routing == routing  # what `tokenloom serve` prints at start-up
     assert Linear.skinny_rows_packed == routing.skinny_max_rows == K.skinny_packed_max_rows()
     assert any("dense bf16 matmuls with a prepacked copy" in r.message for r in caplog.records)
 

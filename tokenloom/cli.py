@@ -81,8 +81,9 @@ def _serve(args: argparse.Namespace) -> int:
     metrics = ServingMetrics(name)
     engine.on_step = metrics.on_step
     print(core.capacity.describe(), file=sys.stderr)
-    if core.quant_routing is not None:
-        print(core.quant_routing.describe(), file=sys.stderr)
+    for routing in (core.quant_routing, core.dense_routing):
+        if routing is not None:
+            print(routing.describe(), file=sys.stderr)
     if args.warmup:  # before the server listens: /health is unreachable until the first request would be fast
         print(engine.call_soon(warm_up).result().describe(), file=sys.stderr)
     logging.getLogger("tokenloom.access").setLevel(logging.INFO)  # one JSON line per request, on stderr

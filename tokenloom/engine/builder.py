@@ -25,6 +25,7 @@ from tokenloom.engine.kv_calibration import calibrate_kv_scales, calibration_pro
 from tokenloom.engine.runner import ModelRunner
 from tokenloom.engine.sampler import Sampler
 from tokenloom.errors import ConfigError
+from tokenloom.models.dense_routing import DenseRouting
 from tokenloom.models.dense_routing import choose as choose_dense_routing
 from tokenloom.models.layers import PACKED_MAX_ROWS, prepack_available, prepackable
 from tokenloom.models.llama import LlamaForCausalLM
@@ -55,6 +56,7 @@ class EngineParts:
     sampler: Sampler
     proposer: Proposer | None
     quant_routing: QuantRouting | None = None  # the quantized matmuls' start-up crossover (quantized models on CPU)
+    dense_routing: DenseRouting | None = None  # where the skinny kernel hands rows to prepacked weights (CPU)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -75,7 +77,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if config.quantization is not None:
         n = quantize_model(loaded.model, config.quantization, config.quant_group_size)
         log.info("quantized %d linear layers to %s", n, config.quantization)
-    routing = _attach_cpu_kernels(config, loaded, backend, device)  # after quantizing: quantized layers too
+    routing, dense = _attach_cpu_kernels(config, loaded, backend, device)  # after quantizing: quantized layers too
     mcfg = loaded.config
     max_model_len = config.max_model_len or mcfg.max_position_embeddings
     if max_model_len > mcfg.max_position_embeddings and mcfg.rope_scaling.kind in ("default", "dynamic"):
@@ -122,23 +124,24 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         loaded.name, mcfg.architecture, str(loaded.dtype).removeprefix("torch."),
         loaded.load_seconds, device, capacity.describe(),
     )
-    return EngineParts(device, backend, loaded, max_model_len, capacity, kv, runner, sampler, proposer, routing)
+    return EngineParts(device, backend, loaded, max_model_len, capacity, kv, runner, sampler, proposer, routing, dense)
 
 
 def _attach_cpu_kernels(config: EngineConfig, loaded: LoadedModel, backend: AttentionBackend,
-                        device: torch.device) -> QuantRouting | None:
-    """On the CPU backend: the C++ kernels into every layer, then the prepacked weights; for quantized
-    layers, the routing of their matmuls (returned)."""
+                        device: torch.device) -> tuple[QuantRouting | None, DenseRouting | None]:
+    """On the CPU backend: the C++ kernels into every layer, then the prepacked weights; the routing of the
+    quantized layers' matmuls and of the prepacked dense ones (returned; None where there are none)."""
     if not isinstance(backend, CPUBackend):
-        return None
+        return None, None
     loaded.model.set_kernels(backend.kernels)
+    dense = None
     if _prepack(config, loaded, device) and hasattr(backend.kernels, "set_skinny_packed_max_rows") \
             and backend.kernels.skinny_available():
-        choose_dense_routing(backend.kernels)  # where the skinny kernel hands 2..8 rows over to the packed copies
+        dense = choose_dense_routing(backend.kernels)  # where the skinny kernel hands 2..8 rows to the packed copies
     if hasattr(backend.kernels, "set_quant_tile_max_rows") and any(
             isinstance(m, (QuantLinear, KQuantLinear)) for m in loaded.model.modules()):
-        return choose_quant_routing(backend.kernels, config.quant_tile_max_rows)
-    return None
+        return choose_quant_routing(backend.kernels, config.quant_tile_max_rows), dense
+    return None, dense
 
 
 def _prepack(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> bool:

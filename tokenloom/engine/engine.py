@@ -52,7 +52,7 @@ class LLMEngine:
         self.tokenizer = parts.loaded.tokenizer
         self.max_model_len = parts.max_model_len
         self.capacity, self.kv, self.runner = parts.capacity, parts.kv, parts.runner
-        self.quant_routing = parts.quant_routing
+        self.quant_routing, self.dense_routing = parts.quant_routing, parts.dense_routing
         self.sampler, self.proposer = parts.sampler, parts.proposer
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
