@@ -16,7 +16,7 @@
 #include <tuple>
 #include <vector>
 
-#include "fused_linear.h"
+#include "stack_common.h"
 
 struct FusedLayer {
   at::Tensor input_norm, post_norm;  // (hidden,) bfloat16
@@ -52,25 +52,15 @@ class DecodeStack {
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens) const {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "DecodeStack.forward: x must be (B, hidden) bfloat16");
-    const int64_t B = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const int64_t B = x.size(0), q_size = num_heads_ * head_dim_;
     c10::optional<at::Tensor> residual;
     for (const FusedLayer& L : layers_) {
       at::Tensor h, res;
       std::tie(h, res) = add_rms_norm(x.contiguous(), residual, L.input_norm, eps_);
-      const at::Tensor qkv = L.qkv(h);
-      const std::vector<at::Tensor> parts = qkv.split({q_size, kv_size, kv_size}, -1);
-      at::Tensor q = parts[0].view({B, num_heads_, head_dim_});
-      at::Tensor k = parts[1].view({B, num_kv_heads_, head_dim_});
-      const at::Tensor v = parts[2].view({B, num_kv_heads_, head_dim_});
+      auto [q, k, v] = split_qkv(L.qkv(h), num_heads_, num_kv_heads_, head_dim_);
       rotary_inplace(q, k, cos, sin);
-      const at::Tensor kc = k.contiguous(), vc = v.contiguous();
-      if (L.k_scale.has_value()) {
-        write_kv_int8(kc, vc, L.k_cache, L.v_cache, *L.k_scale, *L.v_scale, slots);
-      } else {
-        write_kv(kc.to(L.k_cache.scalar_type()), vc.to(L.v_cache.scalar_type()), L.k_cache, L.v_cache, slots);
-      }
-      const at::Tensor a = paged_decode(q.contiguous(), L.k_cache, L.v_cache, L.k_scale, L.v_scale, block_tables,
-                                        seq_lens, scale_, sliding_window_, /*softcap=*/0.0);  // Llama family: no cap
+      const at::Tensor a = cache_and_attend(q, k, v, L.k_cache, L.v_cache, L.k_scale, L.v_scale, slots, block_tables,
+                                            seq_lens, scale_, sliding_window_, /*softcap=*/0.0);  // Llama: no cap
       std::tie(h, res) = add_rms_norm(L.o(a.reshape({B, q_size})).contiguous(), res, L.post_norm, eps_);
       x = L.down(silu_and_mul(L.gate_up(h)));
       residual = res;

@@ -133,49 +133,11 @@ std::tuple<at::Tensor, at::Tensor> scaled_rms_norm(const at::Tensor& x, const c1
   return {out, new_res};
 }
 
-// (T, 2I) [gate | up] -> (T, I): round(gelu_tanh(gate)) * up, as F.gelu(gate, approximate="tanh") * up does
-// in T (Gemma's GeGLU). gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh through
-// exp_fast as softcap_inplace does (absolute error ~2e-7 before the rounding to T).
-template <typename T>
-static void gelu_tanh_and_mul_kernel(const T* in, T* out, int64_t rows, int64_t I) {
-  at::parallel_for(0, rows, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(I);
-    float* __restrict__ f = buf.data();
-    for (int64_t r = begin; r < end; ++r) {
-      const T* __restrict__ gate = in + r * 2 * I;
-      const T* __restrict__ up = gate + I;
-      T* __restrict__ o = out + r * I;
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) f[i] = to_float(gate[i]);
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) {
-        const float x = f[i];
-        const float y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-        const float e = exp_fast(-2.f * std::fabs(y));
-        const float t = (1.f - e) / (1.f + e);
-        f[i] = round_to<T>(0.5f * x * (1.f + (y < 0.f ? -t : t))) * to_float(up[i]);
-      }
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = from_float<T>(f[i]);
-    }
-  });
-}
-
-at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.is_contiguous() && x.size(-1) % 2 == 0, "gelu_tanh_and_mul: contiguous (..., 2I) input");
-  const int64_t I = x.size(-1) / 2, rows = x.numel() / x.size(-1);
-  auto sizes = x.sizes().vec();
-  sizes.back() = I;
-  at::Tensor out = at::empty(sizes, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_tanh_and_mul", [&] {
-    gelu_tanh_and_mul_kernel<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, I);
-  });
-  return out;
-}
-
-// (T, 2I) [gate | up] -> (T, I): round(silu(gate)) * up, as F.silu(gate) * up does in T.
-template <typename T>
-static void silu_and_mul_kernel(const T* in, T* out, int64_t rows, int64_t I) {
+// The gated activations, (T, 2I) [gate | up] -> (T, I): round(act(gate)) * up, as act(gate) * up does in T.
+// SwiGLU: act = silu (F.silu); Gemma's GeGLU: act = gelu_tanh (F.gelu(approximate="tanh")),
+// 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) with tanh_fast (absolute error ~2e-7 before the rounding).
+template <typename T, typename Act>
+static void gated_and_mul_kernel(const T* in, T* out, int64_t rows, int64_t I, Act act) {
   at::parallel_for(0, rows, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(I);
     float* __restrict__ f = buf.data();
@@ -187,23 +149,34 @@ static void silu_and_mul_kernel(const T* in, T* out, int64_t rows, int64_t I) {
 #pragma omp simd
       for (int64_t i = 0; i < I; ++i) f[i] = to_float(gate[i]);
 #pragma omp simd
-      for (int64_t i = 0; i < I; ++i) f[i] = round_to<T>(f[i] / (1.f + exp_fast(-f[i]))) * to_float(up[i]);
+      for (int64_t i = 0; i < I; ++i) f[i] = round_to<T>(act(f[i])) * to_float(up[i]);
 #pragma omp simd
       for (int64_t i = 0; i < I; ++i) o[i] = from_float<T>(f[i]);
     }
   });
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.is_contiguous() && x.size(-1) % 2 == 0, "silu_and_mul: contiguous (..., 2I) input");
+template <typename Act>
+static at::Tensor gated_and_mul(const at::Tensor& x, const char* name, Act act) {
+  TORCH_CHECK(x.is_contiguous() && x.size(-1) % 2 == 0, name, ": contiguous (..., 2I) input");
   const int64_t I = x.size(-1) / 2, rows = x.numel() / x.size(-1);
   auto sizes = x.sizes().vec();
   sizes.back() = I;
   at::Tensor out = at::empty(sizes, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
-    silu_and_mul_kernel<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, I);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gated_and_mul", [&] {
+    gated_and_mul_kernel<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, I, act);
   });
   return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  return gated_and_mul(x, "silu_and_mul", [](float g) { return g / (1.f + exp_fast(-g)); });
+}
+
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
+  return gated_and_mul(x, "gelu_tanh_and_mul", [](float g) {
+    return 0.5f * g * (1.f + tanh_fast(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+  });
 }
 
 // Neox-style RoPE in place: x (T, H, D) with row stride `row_stride`; cos/sin (T, D) already in T.

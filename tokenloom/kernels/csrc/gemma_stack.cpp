@@ -18,7 +18,7 @@
 #include <tuple>
 #include <vector>
 
-#include "fused_linear.h"
+#include "stack_common.h"
 
 struct GemmaLayer {
   // (hidden,) float32 (1 + w) of the four norms around attention and the MLP
@@ -71,32 +71,21 @@ class GemmaDecodeStack {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "GemmaDecodeStack.forward: x must be (B, hidden) bfloat16");
     TORCH_CHECK(slots.size() == block_tables.size() && slots.size() == seq_lens.size(),
                 "GemmaDecodeStack.forward: one slot mapping, block table and length vector per KV group");
-    const int64_t B = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const int64_t B = x.size(0), q_size = num_heads_ * head_dim_;
     c10::optional<at::Tensor> residual;
     for (const GemmaLayer& L : layers_) {
       TORCH_CHECK(L.group < static_cast<int64_t>(slots.size()), "GemmaDecodeStack.forward: a layer's KV group "
                   "has no block tables in this step");
       at::Tensor h, res;
       std::tie(h, res) = scaled_rms_norm(x.contiguous(), residual, L.norm_in, eps_);
-      const at::Tensor qkv = L.qkv(h);
-      const std::vector<at::Tensor> parts = qkv.split({q_size, kv_size, kv_size}, -1);
-      at::Tensor q = parts[0].view({B, num_heads_, head_dim_});
-      at::Tensor k = parts[1].view({B, num_kv_heads_, head_dim_});
-      const at::Tensor v = parts[2].view({B, num_kv_heads_, head_dim_});
+      auto [q, k, v] = split_qkv(L.qkv(h), num_heads_, num_kv_heads_, head_dim_);
       if (L.q_norm.has_value()) {
         q = std::get<0>(scaled_rms_norm(q, c10::nullopt, *L.q_norm, eps_));
         k = std::get<0>(scaled_rms_norm(k, c10::nullopt, *L.k_norm, eps_));
       }
       rotary_inplace(q, k, L.local ? cos_local : cos_global, L.local ? sin_local : sin_global);
-      const at::Tensor kc = k.contiguous(), vc = v.contiguous();
-      const at::Tensor& slot = slots[L.group];
-      if (L.k_scale.has_value()) {
-        write_kv_int8(kc, vc, L.k_cache, L.v_cache, *L.k_scale, *L.v_scale, slot);
-      } else {
-        write_kv(kc.to(L.k_cache.scalar_type()), vc.to(L.v_cache.scalar_type()), L.k_cache, L.v_cache, slot);
-      }
-      const at::Tensor a = paged_decode(q.contiguous(), L.k_cache, L.v_cache, L.k_scale, L.v_scale,
-                                        block_tables[L.group], seq_lens[L.group], scale_, L.window, softcap_);
+      const at::Tensor a = cache_and_attend(q, k, v, L.k_cache, L.v_cache, L.k_scale, L.v_scale, slots[L.group],
+                                            block_tables[L.group], seq_lens[L.group], scale_, L.window, softcap_);
       h = std::get<0>(scaled_rms_norm(L.o(a.reshape({B, q_size})).contiguous(), c10::nullopt, L.norm_post_attn, eps_));
       std::tie(h, res) = scaled_rms_norm(h, res, L.norm_pre_ff, eps_);
       x = std::get<0>(scaled_rms_norm(L.down(gelu_tanh_and_mul(L.gate_up(h).contiguous())).contiguous(),

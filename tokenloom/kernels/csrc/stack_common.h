@@ -1,8 +1,11 @@
-// One linear layer as the decode stacks (decode_stack.cpp, gemma_stack.cpp) call it: the kernel the
-// Python layer's forward would call, with the same arguments, so a stack's result is the Python model's.
+// What the two decode stacks (decode_stack.cpp, gemma_stack.cpp) share: a linear layer as they call it
+// (FusedLinear: the kernel the Python layer's forward would call, with the same arguments, so a stack's
+// result is the Python model's), the q/k/v views of a fused projection, and one layer's cache write and
+// paged decode attention, as attention/cpu.py CPUBackend does them.
 #pragma once
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <tuple>
 #include <vector>
 
 #include "kernels.h"
@@ -84,3 +87,30 @@ struct FusedLinear {
     return at::linear(x, weight, bias);  // oneDNN for many rows, as F.linear in Linear.forward
   }
 };
+
+// (B, Hq*D + 2*Hkv*D) fused projection -> q (B, Hq, D), k, v (B, Hkv, D): views, no copies.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> split_qkv(const at::Tensor& qkv, int64_t heads, int64_t kv_heads,
+                                                                int64_t head_dim) {
+  const int64_t B = qkv.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  const std::vector<at::Tensor> parts = qkv.split({q_size, kv_size, kv_size}, -1);
+  return {parts[0].view({B, heads, head_dim}), parts[1].view({B, kv_heads, head_dim}),
+          parts[2].view({B, kv_heads, head_dim})};
+}
+
+// One layer's attention for B decode rows: k, v (B, Hkv, D) written into the paged cache at `slots` (an INT8
+// cache quantizes them with its scales), then q (B, Hq, D) over each row's context through its block table;
+// window 0: none, softcap 0: none. Returns (B, Hq, D).
+inline at::Tensor cache_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                                   const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                   double scale, int64_t window, double softcap) {
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous();
+  if (k_scale.has_value()) {
+    write_kv_int8(kc, vc, k_cache, v_cache, *k_scale, *v_scale, slots);
+  } else {
+    write_kv(kc.to(k_cache.scalar_type()), vc.to(v_cache.scalar_type()), k_cache, v_cache, slots);
+  }
+  return paged_decode(q.contiguous(), k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale, window,
+                      softcap);
+}
