@@ -19,8 +19,10 @@ knee is low (`--rate-fractions 0.125,0.25,0.5,1,2` brings it back). Keep the mac
    a. calibration runs, which are never judged (--calibration-prompts requests each, each bench call
       with its own seed, so that no judged prompt is in the server's prefix cache from them): every
       set-up at concurrency 1 (or --calibration-load poisson: at --calibration-rate), and the single
-      server also at concurrency 8. `plan calibrate` then fits, with everything measured so far: per
-      step + per row and per request (light TTFT less the simulated one) from the single server; the
+      server also at concurrency 8 and 32. `plan calibrate` then fits, with everything measured so far:
+      per step + per row from the single server's step trace of those runs (`serve --step-trace`: each
+      served decode step against the profile's price for its rows; --no-step-trace: from the runs' TPOT
+      medians instead) and per request (light TTFT less the simulated one); the
       router hop and per-token router cost from the 2-worker cluster; the prefill -> decode handoff from
       the split cluster (see tokenloom/plan/calibrate.py). The split set-up uses the router terms only if
       cluster-2 ran before it. The fit is printed.
@@ -70,8 +72,9 @@ SETUPS: dict[str, tuple[list[str], FleetConfig]] = {
                    FleetConfig(workers=1, prefill_workers=1, link_bandwidth=1e9)),
 }
 
-# The single server's per-row fit also needs a loaded calibration point (concurrency 8).
-LOADED = {"single": ["--concurrency", "8"]}
+# The single server's per-row fit also needs loaded calibration points: concurrency 8, and 32 for the
+# contention of many streams (the step trace's fit sees every step of both).
+LOADED = {"single": ["--concurrency", "8,32"]}
 METRICS = ("ttft_s_median", "ttft_s_p99", "tpot_s_median", "tpot_s_p99")
 # What a sweep's rows carry per side (measured / sim), medians over the repeats in the judged rows.
 FIGURES = (*METRICS, "out_tok_s", "e2el_p95")
@@ -117,7 +120,9 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
     judged rates; stop. Returns the profile it is judged with and one bench folder per repeat."""
     cmd, fleet = SETUPS[name]
     port = free_port()
-    proc = subprocess.Popen(tl(*cmd, "--port", str(port), *ENGINE))
+    trace = a.out / f"step-trace-{name}.csv"
+    traced = name == "single" and not a.no_step_trace  # `cluster` starts its workers itself: no trace flag
+    proc = subprocess.Popen(tl(*cmd, "--port", str(port), *ENGINE, *(["--step-trace", str(trace)] if traced else [])))
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", timeout=900, alive=lambda: proc.poll() is None)
         if not a.no_calibrate:
@@ -128,11 +133,15 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
             if name in LOADED:
                 calibrated[name].append(bench(port, a.out / f"calibration-{name}-loaded", LOADED[name] + n, a,
                                               a.seed + 2000))
+            if traced:  # the calibration runs' steps only (the engine flushes its trace when it goes idle)
+                snapshot = a.out / "step-trace-calibration.csv"
+                snapshot.write_bytes(trace.read_bytes())
+                calibrated["trace"] = [snapshot]
             print(f"== calibrating with {', '.join(calibrated)}", flush=True)
             cluster = (calibrated["cluster-2"], SETUPS["cluster-2"][1]) if "cluster-2" in calibrated else None
             split = (calibrated["split-1P1D"], SETUPS["split-1P1D"][1]) if "split-1P1D" in calibrated else None
             prof = calibrate(bare, calibrated["single"], SETUPS["single"][1], a.seed, cluster=cluster, split=split,
-                             log=lambda m: print(m, flush=True))
+                             step_traces=calibrated.get("trace"), log=lambda m: print(m, flush=True))
             prof.save(a.out / "profile-calibrated.json")
             print(f"calibrated: {overheads_line(prof)}", flush=True)
         rates = [round(r, 2) for r in (a.rates or predicted_rates(prof, fleet, a))]
@@ -256,6 +265,9 @@ def main() -> None:
     ap.add_argument("--profile-args", default="--decode-rows 1,4,16,64 --context-lens 128,512,1024",
                     help="grid flags for `plan profile`")
     ap.add_argument("--no-calibrate", action="store_true", help="simulate with the bare engine-step profile")
+    ap.add_argument("--no-step-trace", action="store_true",
+                    help="fit the per-step / per-row overhead from the calibration runs' TPOT medians, not from the "
+                         "single server's step trace (`serve --step-trace`)")
     ap.add_argument("--calibration-prompts", type=int, default=16,
                     help="requests per calibration point (never judged): each set-up's light point, and the "
                          "single server at concurrency 8")

@@ -15,6 +15,7 @@ from tokenloom.config import EngineConfig, GgufWeights, Role
 from tokenloom.distributed.cli import add_ray_serve_parser
 from tokenloom.engine.async_engine import AsyncLLMEngine
 from tokenloom.engine.engine import LLMEngine, freeze_gc
+from tokenloom.engine.step_trace import StepTrace
 from tokenloom.engine.warmup import warm_up
 from tokenloom.engine_args import add_engine_args, engine_config
 from tokenloom.errors import ConfigError, TokenloomError
@@ -66,7 +67,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--role {args.role} hands KV blocks over through the prefix cache: drop --no-prefix-caching")
     if args.role != "both" and config.speculative == "draft":
         raise ConfigError(f"--role {args.role} does not transfer a draft model's KV: use --speculative ngram or self")
-    engine = AsyncLLMEngine.from_config(config, max_waiting=args.max_waiting, max_n=args.max_n)
+    trace = StepTrace(Path(args.step_trace)) if args.step_trace else None
+    engine = AsyncLLMEngine.from_config(config, max_waiting=args.max_waiting, max_n=args.max_n, step_trace=trace)
     core = engine.engine
     if args.role != "both":
         from tokenloom.disagg.blocks import KVLayout
@@ -77,6 +79,10 @@ def _serve(args: argparse.Namespace) -> int:
             engine.shutdown()
             raise
     freeze_gc()
+    # The engine thread and the event loop share the GIL. A busy event loop (dozens of streams' SSE chunks)
+    # holds it for up to the switch interval each time the engine thread comes back from a kernel and wants
+    # it; the engine is the critical path, so it should wait less (docs/performance-notes.md#gil).
+    sys.setswitchinterval(args.gil_switch_interval)
     name = args.served_model_name or core.model_name
     metrics = ServingMetrics(name)
     engine.on_step = metrics.on_step
@@ -174,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--no-warmup", dest="warmup", action="store_false",
                      help="skip the warm-up passes run before the server listens (a prefill of a full step, decode at "
                           "batch sizes 1-8 and powers of two); the first requests then pay the one-off costs")
+    srv.add_argument("--step-trace", default=None, metavar="PATH",
+                     help="write one CSV line per engine step (its rows, and when it was scheduled, computed, "
+                          "settled and streamed) to PATH: the serving overhead `tokenloom plan host` measures")
+    srv.add_argument("--gil-switch-interval", type=_positive_seconds, default=0.0005, metavar="SECONDS",
+                     help="Python's thread switch interval in the server (default 0.0005; Python's own is 0.005): how "
+                          "long the engine thread can wait for the GIL while the event loop streams tokens")
     srv.add_argument("--graceful-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     srv.add_argument("--max-request-bytes", type=int, default=8 << 20,
@@ -232,6 +244,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_parser(sub)
     add_ray_serve_parser(sub)
     return parser
+
+
+def _positive_seconds(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {s!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"expected seconds in (0, 1], got {s!r}")
+    return v
 
 
 def main(argv: list[str] | None = None) -> int:

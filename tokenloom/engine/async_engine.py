@@ -17,6 +17,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 from tokenloom.config import EngineConfig
 from tokenloom.engine.engine import LLMEngine
 from tokenloom.engine.sequence import Request
+from tokenloom.engine.step_trace import StepTrace
 from tokenloom.errors import EngineDead, InvalidRequest, Overloaded, RequestFailed
 from tokenloom.models.config import ModelConfig
 from tokenloom.outputs import RequestOutput
@@ -76,6 +78,12 @@ T = TypeVar("T")
 StepHook = Callable[[LLMEngine, list[RequestOutput]], None]  # runs on the engine thread after each step
 
 
+def _deliver(batch: list[tuple["asyncio.Queue[Any]", Any]]) -> None:
+    """On the caller's event loop: put each item on its stream's queue, in the engine's order."""
+    for q, item in batch:
+        q.put_nowait(item)
+
+
 class AsyncLLMEngine:
     def __init__(
         self,
@@ -83,6 +91,7 @@ class AsyncLLMEngine:
         max_waiting: int | None = None,
         on_step: StepHook | None = None,
         max_n: int | None = None,
+        step_trace: StepTrace | None = None,
     ) -> None:
         """`engine`: a built LLMEngine, or (better) a factory the loop thread calls to build it there.
 
@@ -93,8 +102,11 @@ class AsyncLLMEngine:
         `max_waiting`: how many sequences may wait beyond the `max_num_seqs` that run at once (a request
         counts its n sequences); more are refused with Overloaded (the HTTP layer's 429). `max_n`: the
         largest n one request may ask for (InvalidRequest beyond it). `on_step` sees every step's outputs
-        (and the final output of each aborted request): the metrics hook."""
+        (and the final output of each aborted request): the metrics hook. `step_trace`: where each step's
+        timings go (engine/step_trace.py); closed by `shutdown`."""
         self.max_waiting = max_waiting
+        self.step_trace = step_trace
+        self._traced: tuple[list[tuple[int, int]], int, float, float, float] | None = None
         self.max_n = max_n
         self.on_step = on_step
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
@@ -115,10 +127,10 @@ class AsyncLLMEngine:
     @classmethod
     def from_config(
         cls, config: EngineConfig, max_waiting: int | None = None, on_step: StepHook | None = None,
-        max_n: int | None = None,
+        max_n: int | None = None, step_trace: StepTrace | None = None,
     ) -> "AsyncLLMEngine":
         """Load the model and run the engine on the loop thread."""
-        return cls(lambda: LLMEngine(config), max_waiting, on_step, max_n)
+        return cls(lambda: LLMEngine(config), max_waiting, on_step, max_n, step_trace)
 
     # -- caller side (any thread with an asyncio loop) --------------------------------------------
 
@@ -220,6 +232,8 @@ class AsyncLLMEngine:
         """Stop the loop thread: in-flight requests are aborted and their streams end with EngineDead."""
         self._inbox.put(None)
         self._thread.join(timeout)
+        if self.step_trace is not None and not self._thread.is_alive():
+            self.step_trace.close()
 
     # -- engine thread ------------------------------------------------------------------------------
 
@@ -232,13 +246,21 @@ class AsyncLLMEngine:
             return
         finally:
             self._ready.set()
+        if self.step_trace is not None:
+            self.engine.step_listener = self._on_traced_step
         self._loop()
+
+    def _on_traced_step(self, rows: list[tuple[int, int]], streamed: int, t0: float, t1: float, t2: float) -> None:
+        self._traced = (rows, streamed, t0, t1, t2)
 
     def _loop(self) -> None:
         try:
             while True:
+                loop_start = time.monotonic()
                 # Block for work only when the engine is idle; otherwise just drain what has arrived.
-                block = not self.engine.has_unfinished_requests()
+                block = idle = not self.engine.has_unfinished_requests()
+                if idle and self.step_trace is not None:
+                    self.step_trace.flush()
                 while True:
                     try:
                         cmd = self._inbox.get(block=block)
@@ -249,10 +271,19 @@ class AsyncLLMEngine:
                         self._fail(EngineDead("the engine was shut down"))
                         return
                     self._apply(cmd)
+                if idle:  # it waited for work: the iteration's host time starts when the work came
+                    loop_start = time.monotonic()
+                self._traced = None  # steps a queued call ran (warm-up) are not the loop's
+                step_start = time.monotonic()
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-                for out in outputs:
-                    self._post(out.request_id, RequestFailed(out.error) if out.error is not None else out)
+                # The hook first: posting wakes the callers' event loop, whose streaming then contends with
+                # this thread for the GIL; the metrics are this thread's own work and go before it.
                 self._hook(outputs)
+                self._post_all([(out.request_id, RequestFailed(out.error) if out.error is not None else out)
+                                for out in outputs])
+                if self._traced is not None and self.step_trace is not None:
+                    rows, streamed, t0, t1, t2 = self._traced
+                    self.step_trace.write(loop_start, step_start, t0, t1, t2, time.monotonic(), rows, streamed)
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine; callers must hear of it
             log.exception("engine loop died")
             self._fail(EngineDead(f"the engine loop died: {e!r}"))
@@ -285,17 +316,28 @@ class AsyncLLMEngine:
             self._post(rid, e)
 
     def _post(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        with self._lock:
-            stream = self._streams.get(request_id)
-            if stream is not None and (isinstance(item, BaseException) or item.finished):
-                self._drop(request_id)
-        if stream is None:
+        self._post_all([(request_id, item)])
+
+    def _post_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand each item to its request's stream: one wake-up per event loop for the whole step, not one per
+        request (each `call_soon_threadsafe` writes the loop's self-pipe and wakes its thread, which then
+        contends for the GIL with this one: at 64 rows that was a millisecond-scale cost per step)."""
+        if not items:
             return
-        loop, q, _ = stream
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, item)
-        except RuntimeError:  # the caller's event loop is closed: nobody is listening
-            pass
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+        with self._lock:
+            for request_id, item in items:
+                stream = self._streams.get(request_id)
+                if stream is None:
+                    continue
+                if isinstance(item, BaseException) or item.finished:
+                    self._drop(request_id)
+                batches.setdefault(stream[0], []).append((stream[1], item))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # the caller's event loop is closed: nobody is listening
+                pass
 
     def _drop(self, request_id: str) -> None:
         """Forget a stream (call with the lock held)."""

@@ -12,6 +12,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
     from tokenloom.structured import GrammarBackend
 
 log = logging.getLogger("tokenloom.engine")
+# (rows as (new tokens, computed before), sequences that sampled, compute start, compute end, step end)
+StepListener = Callable[[list[tuple[int, int]], int, float, float, float], None]
+
 
 def freeze_gc() -> None:
     """For a process that holds its engine for life (serve, benchmarks): moves every object alive now
@@ -65,6 +69,9 @@ class LLMEngine:
         self._stop_ids = frozenset(self.tokenizer.stop_token_ids)
         self._grammar: GrammarBackend | None = None  # built on the first constrained request
         self._grammar_lock = threading.Lock()
+        # Called after every step with (rows, streamed, compute_start, compute_end, step_end) when set: the
+        # served step trace (engine/step_trace.py). rows: (new tokens, tokens computed before) per sequence.
+        self.step_listener: StepListener | None = None
 
     @property
     def model_name(self) -> str:
@@ -227,6 +234,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        listener = self.step_listener
+        # Read before update() moves num_computed_tokens on.
+        trace_rows = ([(n, s.num_computed_tokens) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+                      if listener is not None else [])
         t0 = time.monotonic()
         rows, logits = self.runner.execute(batch)
         sampled = self._sample(batch, rows, logits)
@@ -242,7 +253,10 @@ class LLMEngine:
             self._abort_seqs(self.requests[seq.request_id])
         # Requests with news, in batch order, once each.
         touched = dict.fromkeys(seq.request_id for seq in update.sampled + update.failed)
-        return [o for o in (self._collect(self.requests[rid]) for rid in touched) if o is not None]
+        outputs = [o for o in (self._collect(self.requests[rid]) for rid in touched) if o is not None]
+        if listener is not None:
+            listener(trace_rows, len(update.sampled), t0, t1, time.monotonic())
+        return outputs
 
     def _sample(self, batch: ScheduledBatch, rows: list[int], logits: torch.Tensor | None) -> SamplerOutput:
         """Batch row -> its new tokens: one sampled token, or the verified run of a speculating sequence."""

@@ -7,7 +7,9 @@ each a least-squares fit of a constant or a line to a few measured `bench serve`
 1. Single server (two or more points, e.g. concurrency 1 and 8):
    - per step + per row (overhead_step_s + overhead_row_s x rows, added to each step, holding the engine):
      the measured median TPOT less the simulated one's engine part is regressed, non-negatively, on
-     (1, mean running rows);
+     (1, mean running rows); or, given the server's step trace (`serve --step-trace`), each served decode
+     step's time less the profile's price for its rows, regressed on (1, rows) (plan/host.py): thousands
+     of steps at every load the calibration runs reached, not two medians;
    - request_s (arrival -> enqueue, no engine held): the mean over the light points (`light`:
      concurrency 1, else the sparsest Poisson point) of measured median TTFT - simulated median TTFT
      without it. A constant
@@ -112,16 +114,28 @@ def _residual_fit(name: str, prof: Profile, fleet: FleetConfig, points: list[Poi
 def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: int = 0, rounds: int = 6,
               cluster: tuple[list[Path], FleetConfig] | None = None,
               split: tuple[list[Path], FleetConfig] | None = None,
+              step_traces: list[Path] | None = None,
               log: Callable[[str], None] = lambda m: None) -> Profile:
     """Fit the module docstring's terms: `folders` of the single server (`fleet`), then optionally the
-    router terms from `cluster`'s and the handoff from `split`'s measured folders (their light points)."""
+    router terms from `cluster`'s and the handoff from `split`'s measured folders (their light points).
+    With `step_traces` (`serve --step-trace` of the same server's calibration runs) the per-step and per-row
+    overhead come from the traced steps themselves (plan/host.py) instead of the TPOT regression."""
     points = [pt for folder in folders for pt in bench_points(folder) if pt[0].get("tpot_s_median") is not None]
-    if len(points) < 2:
-        raise ConfigError("calibration needs at least two measured points with a TPOT (e.g. concurrency 1 and 8)")
+    need = 1 if step_traces else 2
+    if len(points) < need:
+        raise ConfigError(f"calibration needs at least {need} measured point(s) with a TPOT (e.g. concurrency 1 "
+                          f"and 8{'' if need == 2 else ', or 1 with a step trace'})")
     requests: list[list[SimRequest]] = [replay(trace, seed=seed) for _, trace in points]
     lights = light(points)
     response = float(np.mean([response_tail(trace) for _, trace in lights]))
     a = b = req = 0.0
+    traced = None
+    if step_traces:
+        from tokenloom.plan.host import attribute, fit_overheads, load_trace
+
+        traced = fit_overheads(attribute(profile, load_trace(step_traces)))
+        a, b = traced.step_s, traced.row_s
+        log(f"step trace: {traced.line()}")
     used: list[dict[str, Any]] = []
     for _ in range(rounds):
         cur = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
@@ -140,9 +154,10 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
                          "measured_tpot_s": point["tpot_s_median"], "simulated_tpot_s": s["tpot_s_median"],
                          "measured_ttft_s": point["ttft_s_median"], "simulated_ttft_s": s["ttft_s_median"],
                          "rows": rows})
-        if len(xs) < 2:
-            raise ConfigError("calibration needs at least two measured points the simulation gives a TPOT for")
-        a, b = (float(v) for v in nnls(np.array(xs), np.array(ys)))
+        if traced is None:
+            if len(xs) < 2:
+                raise ConfigError("calibration needs at least two measured points the simulation gives a TPOT for")
+            a, b = (float(v) for v in nnls(np.array(xs), np.array(ys)))
         req = max(0.0, float(np.mean(gaps))) if gaps else 0.0
     out = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
                   router_hop_s=0.0, router_token_s=0.0, handoff_s=0.0)
@@ -164,6 +179,8 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
         out = replace(out, handoff_s=handoff)
         fits += r3
     return replace(out, calibration={"points": used, "residual_fits": fits, "folders": [str(f) for f in folders],
+                                     "step_traces": [str(f) for f in step_traces or []],
+                                     "step_trace_fit": None if traced is None else traced.line(),
                                      "fleet_workers": fleet.workers,
                                      "cluster_folders": [str(f) for f in cluster[0]] if cluster else [],
                                      "split_folders": [str(f) for f in split[0]] if split else []})

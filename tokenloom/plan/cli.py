@@ -1,4 +1,4 @@
-"""`tokenloom plan profile | hardware | simulate | search`: the capacity planner's commands."""
+"""`tokenloom plan profile | hardware | calibrate | host | simulate | search`: the capacity planner's commands."""
 
 from __future__ import annotations
 
@@ -92,9 +92,17 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     ca.add_argument("--cluster-workers", type=int, default=2, help="workers of that cluster")
     ca.add_argument("--split-bench", type=Path, nargs="+", default=None,
                     help="`bench serve` folders of a 1 prefill + 1 decode cluster at light load: fits the handoff")
+    ca.add_argument("--step-trace", type=Path, nargs="+", default=None,
+                    help="the server's `serve --step-trace` CSV over the --bench runs: fits the per-step and per-row "
+                         "overhead from its steps instead of from the runs' TPOT medians")
     ca.add_argument("--seed", type=int, default=0)
     ca.add_argument("--out", type=Path, required=True, help="the calibrated profile")
     ca.set_defaults(func=_calibrate)
+
+    ho = psub.add_parser("host", help="a served step trace against a profile: what serving adds to each step")
+    ho.add_argument("--profile", type=Path, required=True)
+    ho.add_argument("--step-trace", type=Path, nargs="+", required=True, help="`serve --step-trace` CSV file(s)")
+    ho.set_defaults(func=_host)
 
     si = psub.add_parser("simulate", help="simulate a fleet at one or more request rates")
     si.add_argument("--profile", type=Path, required=True)
@@ -186,10 +194,23 @@ def _calibrate(args: argparse.Namespace) -> int:
     cluster = (args.cluster_bench, FleetConfig(workers=args.cluster_workers, router=True)) if args.cluster_bench else None
     split = (args.split_bench, FleetConfig(workers=1, prefill_workers=1)) if args.split_bench else None
     prof = calibrate(Profile.load(args.profile), args.bench, FleetConfig(workers=args.workers), args.seed,
-                     cluster=cluster, split=split, log=print)
+                     cluster=cluster, split=split, step_traces=args.step_trace, log=print)
     prof.save(args.out)
     print(f"serving overhead: {overheads_line(prof)}, from {len(prof.calibration['points'])} measured points "
           f"-> {args.out}")
+    return 0
+
+
+def _host(args: argparse.Namespace) -> int:
+    from tokenloom.plan.host import attribute, bucket_table, fit_overheads, load_trace
+    from tokenloom.plan.profile_file import Profile
+
+    df = attribute(Profile.load(args.profile), load_trace(args.step_trace))
+    print("per step, medians in ms: the profile's price for the rows, the engine step as served, the loop "
+          "iteration, and the two differences (inside the step, around it)")
+    print(bucket_table(df).to_string())
+    print(f"served {df['served'].sum():.1f} s in {len(df)} steps against {df['predicted'].sum():.1f} s priced; "
+          f"overhead fit: {fit_overheads(df).line()}")
     return 0
 
 

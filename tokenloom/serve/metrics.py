@@ -68,15 +68,18 @@ class ServingMetrics:
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
+        total = 0
         for out in outputs:
             new = sum(len(c.token_ids) for c in out.outputs)
-            self.generation_tokens.inc(new)
+            total += new
             last = self._last_token.get(out.request_id)
             if last is not None and new:
                 self.itl.observe(now - last)
             self._last_token[out.request_id] = now
             if out.finished:
                 self._finished(out)
+        if total:  # one locked increment a step, not one a request
+            self.generation_tokens.inc(total)
         self.update_gauges(engine)
 
     def update_gauges(self, engine: LLMEngine) -> None:

@@ -1,0 +1,102 @@
+"""The serving overhead a served step trace shows (`serve --step-trace`), beside a profile of the same engine.
+
+A profile prices a step of given rows as the engine alone ran it. In a server the same rows cost more:
+the event loop's work for every streamed token (SSE framing, detokenized text, socket writes), the HTTP
+layer and tokenization of every new request run in the same process (one GIL) and, with the load
+generator, on the same cores. For each traced step i (tokenloom/engine/step_trace.py):
+- served_i = posted_i - loop_start_i: the engine loop's iteration (queued adds, the step, posting);
+- engine_i = step_end_i - step_start_i: what the profile timed (`LLMEngine.step()`);
+- predicted_i = the profile's bare step cost for rows_i;
+- inside_i = engine_i - predicted_i: the step itself slowed by what ran beside it;
+- outside_i = served_i - engine_i: the loop's own work around the step.
+`fit_overheads` regresses served_i - predicted_i on (1, rows_i), non-negatively, over the decode-only
+steps: the simulator's overhead_step_s and overhead_row_s, added to each simulated step as it holds the
+engine. Steps with a prefill chunk are left out of the fit: their residual is dominated by the profile's
+own error on chunks (+-10% of a 150 ms step), not by serving. Fitted from a loaded run, the terms carry the
+contention that grows with the rows streamed, which light-load calibration points cannot show.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from tokenloom.engine.step_trace import COLUMNS, parse_rows
+from tokenloom.errors import ConfigError
+from tokenloom.plan.cost_model import nnls
+from tokenloom.plan.profile_file import Profile
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def load_trace(paths: Sequence[Path]) -> pd.DataFrame:
+    """One or more step traces, one frame: a line per step with its parsed rows and derived times (s)."""
+    frames = []
+    for path in paths:
+        try:
+            df = pd.read_csv(path)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{path}: not a readable step trace ({e})") from None
+        missing = set(COLUMNS) - set(df.columns)
+        if missing:
+            raise ConfigError(f"{path}: not a step trace (`serve --step-trace`); missing {sorted(missing)}")
+        df["trace"] = str(path)
+        frames.append(df)
+    if not frames or all(f.empty for f in frames):
+        raise ConfigError("the step trace has no steps: serve some requests first")
+    df = pd.concat(frames, ignore_index=True)
+    df["rows_parsed"] = [parse_rows(str(r)) for r in df["rows"].fillna("")]
+    df["served"] = df["posted"] - df["loop_start"]
+    df["engine"] = df["step_end"] - df["step_start"]
+    df["decode_only"] = df["num_tokens"] == df["num_rows"]
+    return df
+
+
+def attribute(profile: Profile, df: pd.DataFrame) -> pd.DataFrame:
+    """Add each step's predicted bare cost and its inside / outside / total overhead (seconds)."""
+    out = df.copy()
+    out["predicted"] = [profile.cost.step_time(rows) for rows in out["rows_parsed"]]
+    out["inside"] = out["engine"] - out["predicted"]
+    out["outside"] = out["served"] - out["engine"]
+    out["overhead"] = out["served"] - out["predicted"]
+    return out
+
+
+@dataclass(frozen=True)
+class HostFit:
+    step_s: float  # per step
+    row_s: float  # per scheduled row
+    steps: int  # decode-only steps fitted
+    median_abs_error_s: float  # of the fitted overhead per step
+
+    def line(self) -> str:
+        return (f"{self.step_s * 1e3:.2f} ms/step + {self.row_s * 1e3:.3f} ms/row, from {self.steps} served decode "
+                f"steps (median |error| {self.median_abs_error_s * 1e3:.2f} ms)")
+
+
+def fit_overheads(attributed: pd.DataFrame) -> HostFit:
+    """served - predicted ~ step_s + row_s x rows over the decode-only steps, non-negative least squares
+    (unweighted: the fit must get the total time right, which the many-row steps dominate)."""
+    dec = attributed[attributed["decode_only"]]
+    if len(dec) < 3:
+        raise ConfigError(f"fitting the serving overhead needs at least 3 traced decode steps, got {len(dec)}")
+    a = np.column_stack([np.ones(len(dec)), dec["num_rows"].to_numpy(float)])
+    b = dec["overhead"].to_numpy(float)
+    x = nnls(a, b)
+    return HostFit(float(x[0]), float(x[1]), len(dec), float(np.median(np.abs(a @ x - b))))
+
+
+def bucket_table(attributed: pd.DataFrame) -> pd.DataFrame:
+    """Medians per (decode-only or with a chunk, rows bucket), milliseconds: predicted, engine, served,
+    inside, outside."""
+    df = attributed.copy()
+    df["bucket"] = [next((b for b in ROW_BUCKETS if n <= b), ROW_BUCKETS[-1]) for n in df["num_rows"]]
+    df["kind"] = np.where(df["decode_only"], "decode", "with chunk")
+    g = df.groupby(["kind", "bucket"])
+    table = g[["predicted", "engine", "served", "inside", "outside"]].median() * 1e3
+    table.insert(0, "steps", g.size())
+    return table.round(2)
