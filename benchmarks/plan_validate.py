@@ -19,11 +19,12 @@ knee is low (`--rate-fractions 0.125,0.25,0.5,1,2` brings it back). Keep the mac
    a. calibration runs, which are never judged (--calibration-prompts requests each, each bench call
       with its own seed, so that no judged prompt is in the server's prefix cache from them): every
       set-up at concurrency 1 (or --calibration-load poisson: at --calibration-rate), and the single
-      server also at concurrency 8 and 32. `plan calibrate` then fits, with everything measured so far:
+      server also at concurrency 8 and 32, the 2-worker cluster at 8. `plan calibrate` then fits, with
+      everything measured so far:
       per step + per row from the single server's step trace of those runs (`serve --step-trace`: each
       served decode step against the profile's price for its rows; --no-step-trace: from the runs' TPOT
       medians instead) and per request (light TTFT less the simulated one); the
-      router hop and per-token router cost from the 2-worker cluster; the prefill -> decode handoff from
+      router hop (light) and per-token router cost (loaded) from the 2-worker cluster; the prefill -> decode handoff from
       the split cluster (see tokenloom/plan/calibrate.py). The split set-up uses the router terms only if
       cluster-2 ran before it. The fit is printed.
    b. the judged runs: --repeats sweeps of `bench serve` at Poisson rates, by default 1/4, 1/2, 1 and 2 x
@@ -74,7 +75,8 @@ SETUPS: dict[str, tuple[list[str], FleetConfig]] = {
 
 # The single server's per-row fit also needs loaded calibration points: concurrency 8, and 32 for the
 # contention of many streams (the step trace's fit sees every step of both).
-LOADED = {"single": ["--concurrency", "8,32"]}
+# The cluster's router per-token cost shows only when both workers stream at once: concurrency 8.
+LOADED = {"single": ["--concurrency", "8,32"], "cluster-2": ["--concurrency", "8"]}
 METRICS = ("ttft_s_median", "ttft_s_p99", "tpot_s_median", "tpot_s_p99")
 # What a sweep's rows carry per side (measured / sim), medians over the repeats in the judged rows.
 FIGURES = (*METRICS, "out_tok_s", "e2el_p95")

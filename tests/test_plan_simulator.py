@@ -242,3 +242,20 @@ def test_calibration_recovers_known_serving_terms(tmp_path: Path) -> None:
     # The calibrated profile saves and loads with every term.
     got.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json").router_hop_s == got.router_hop_s
+
+
+def test_router_token_cost_comes_from_a_loaded_cluster_point(tmp_path: Path) -> None:
+    from tokenloom.plan.calibrate import calibrate
+
+    # "Reality" as above; the cluster also ran loaded (30 req/s, labelled concurrency 8), where each step
+    # streams several rows through the router: the per-token term is fitted there, per running row.
+    bare = profile((0.002, 1e-5, 2e-4))
+    real = replace(bare, overhead_step_s=0.003, overhead_row_s=0.0004, request_s=0.05, response_s=0.01,
+                   router_hop_s=0.03, router_token_s=0.0015)
+    single = _bench_folder(tmp_path / "single", real, FleetConfig(), [(0.2, None), (30.0, 8)])
+    cluster = _bench_folder(tmp_path / "cluster", real, FleetConfig(workers=2), [(0.2, None), (30.0, 8)])
+    got = calibrate(bare, [single], FleetConfig(), cluster=([cluster], FleetConfig(workers=2)))
+    assert got.router_token_s == pytest.approx(0.0015, rel=0.05)
+    assert got.router_hop_s == pytest.approx(0.03, rel=0.05)
+    token_fits = [f for f in got.calibration["residual_fits"] if f["term"] == "router_token_s"]
+    assert [f["concurrency"] for f in token_fits] == [8] and token_fits[0]["rows"] > 1.5

@@ -17,9 +17,11 @@ each a least-squares fit of a constant or a line to a few measured `bench serve`
    - response_s (last token -> end of response): the median over the light points' records of
      e2el - ttft - (output_tokens - 1) x itl_mean, the time from the last streamed chunk to the end.
    These are refitted in turn until they settle (more overhead means more rows in flight).
-2. A cluster behind the router (optional, its light points): router_token_s = measured - simulated
-   median TPOT (about one streamed row per step at light load, so the gap is the router's per-token cost),
-   then router_hop_s = measured - simulated median TTFT.
+2. A cluster behind the router (optional): router_token_s from its loaded points (e.g. concurrency 8,
+   where both workers stream while the router proxies every token on the same cores): the measured less
+   the simulated median TPOT per running row, refitted a few rounds; without loaded points, from the
+   light ones (about one streamed row per step, so the gap is the per-token cost). Then router_hop_s =
+   measured - simulated median TTFT at the light points.
 3. A split fleet (optional, its light points): handoff_s = measured - simulated median TTFT.
 Every term is clipped at 0 (a faster-than-simulated measurement means no such cost, not a negative one).
 Calibrate on points you will not judge the simulation by, then compare at others.
@@ -111,6 +113,48 @@ def _residual_fit(name: str, prof: Profile, fleet: FleetConfig, points: list[Poi
     return value, rows
 
 
+def _per_token_fit(prof: Profile, fleet: FleetConfig, points: list[Point], seed: int, log: Callable[[str], None],
+                   rounds: int = 8) -> tuple[float, list[dict[str, Any]]]:
+    """router_token_s from loaded points: the value at which the mean of (measured - simulated median TPOT)
+    over the points is 0. Each streamed token lengthens the step that made it by the term, so a step of R
+    rows grows by about R x it: the first guess is the gap at 0 per running row, then secant steps (the
+    gap shrinks as the term grows, not quite linearly: longer steps keep more rows running). Clipped at 0."""
+    reqs = [replay(trace, seed=seed) for _, trace in points]
+
+    def gap(value: float) -> tuple[float, float, list[dict[str, Any]]]:
+        cur = replace(prof, router_token_s=value)
+        gaps, runs, rows = [], [], []
+        for (point, _), rq in zip(points, reqs):
+            s = fleet_summary(simulate(cur, fleet, rq, seed))
+            if point.get("tpot_s_median") is None or s["tpot_s_median"] is None:
+                continue
+            gaps.append(point["tpot_s_median"] - s["tpot_s_median"])
+            runs.append(max(1.0, s["running_mean"]))
+            rows.append({"term": "router_token_s", "concurrency": point.get("concurrency"),
+                         "request_rate": point.get("request_rate"), "metric": "tpot_s_median",
+                         "measured_s": point["tpot_s_median"], "simulated_s": s["tpot_s_median"],
+                         "rows": s["running_mean"], "router_token_s": value})
+        if not gaps:
+            raise ConfigError("calibrating router_token_s needs a loaded cluster point with a TPOT")
+        return float(np.mean(gaps)), float(np.mean(runs)), rows
+
+    x0, (g0, r0, rows) = 0.0, gap(0.0)
+    x1 = 0.0  # measured no slower than the simulation without the term: no such cost
+    if g0 > 0:
+        x1 = g0 / r0
+        for _ in range(rounds):
+            g1, _, rows = gap(x1)
+            if abs(g1) < 1e-6 or g1 == g0:
+                break
+            x0, g0, x1 = x1, g1, max(0.0, x1 - g1 * (x1 - x0) / (g1 - g0))
+        rows = gap(x1)[2]
+    for r in rows:
+        log(f"  router_token_s: tpot_s_median measured {r['measured_s'] * 1e3:.1f} ms, simulated "
+            f"{r['simulated_s'] * 1e3:.1f} ms at {r['rows']:.1f} rows (concurrency {r['concurrency']})")
+    log(f"  -> router_token_s = {x1 * 1e3:.3f} ms")
+    return x1, rows
+
+
 def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: int = 0, rounds: int = 6,
               cluster: tuple[list[Path], FleetConfig] | None = None,
               split: tuple[list[Path], FleetConfig] | None = None,
@@ -165,8 +209,13 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
         f"response {response * 1e3:.1f} ms, from {len(used)} points")
     fits: list[dict[str, Any]] = []
     if cluster is not None:
-        pts = light([pt for f in cluster[0] for pt in bench_points(f)])
-        tok, r1 = _residual_fit("router_token_s", out, cluster[1], pts, "tpot_s_median", seed, log)
+        every = [pt for f in cluster[0] for pt in bench_points(f)]
+        pts = light(every)
+        loaded = [pt for pt in every if all(pt is not p for p in pts) and pt[0].get("tpot_s_median") is not None]
+        if loaded:  # the router's per-token cost shows when both workers stream at once, not at concurrency 1
+            tok, r1 = _per_token_fit(out, cluster[1], loaded, seed, log)
+        else:
+            tok, r1 = _residual_fit("router_token_s", out, cluster[1], pts, "tpot_s_median", seed, log)
         out = replace(out, router_token_s=tok)
         hop, r2 = _residual_fit("router_hop_s", out, cluster[1], pts, "ttft_s_median", seed, log)
         out = replace(out, router_hop_s=hop)
