@@ -81,8 +81,10 @@ def _serve(args: argparse.Namespace) -> int:
     freeze_gc()
     # The engine thread and the event loop share the GIL. A busy event loop (dozens of streams' SSE chunks)
     # holds it for up to the switch interval each time the engine thread comes back from a kernel and wants
-    # it; the engine is the critical path, so it should wait less (docs/performance-notes.md#gil).
-    sys.setswitchinterval(args.gil_switch_interval)
+    # it. Shorter is faster for many streams, but not the default: a decode worker with its KV receiver came
+    # up ~8x slower with 0.5 ms (docs/performance-notes.md#the-gil-between-the-engine-and-the-event-loop).
+    if args.gil_switch_interval is not None:
+        sys.setswitchinterval(args.gil_switch_interval)
     name = args.served_model_name or core.model_name
     metrics = ServingMetrics(name)
     engine.on_step = metrics.on_step
@@ -183,9 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--step-trace", default=None, metavar="PATH",
                      help="write one CSV line per engine step (its rows, and when it was scheduled, computed, "
                           "settled and streamed) to PATH: the serving overhead `tokenloom plan host` measures")
-    srv.add_argument("--gil-switch-interval", type=_positive_seconds, default=0.0005, metavar="SECONDS",
-                     help="Python's thread switch interval in the server (default 0.0005; Python's own is 0.005): how "
-                          "long the engine thread can wait for the GIL while the event loop streams tokens")
+    srv.add_argument("--gil-switch-interval", type=_positive_seconds, default=None, metavar="SECONDS",
+                     help="Python's thread switch interval in the server (default: Python's own, 0.005): how long the "
+                          "engine thread can wait for the GIL while the event loop streams tokens; 0.0005 served 64 "
+                          "streams 1.12x faster (docs/performance-notes.md)")
     srv.add_argument("--graceful-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     srv.add_argument("--max-request-bytes", type=int, default=8 << 20,
