@@ -19,7 +19,8 @@ each a least-squares fit of a constant or a line to a few measured `bench serve`
    These are refitted in turn until they settle (more overhead means more rows in flight).
 2. A cluster behind the router (optional): router_token_s from its loaded points (e.g. concurrency 8,
    where both workers stream while the router proxies every token on the same cores): the measured less
-   the simulated median TPOT per running row, refitted a few rounds; without loaded points, from the
+   the simulated median TPOT per running row as a first guess, then secant steps to a zero mean gap
+   (`_per_token_fit`); without loaded points, from the
    light ones (about one streamed row per step, so the gap is the per-token cost). Then router_hop_s =
    measured - simulated median TTFT at the light points.
 3. A split fleet (optional, its light points): handoff_s = measured - simulated median TTFT.
