@@ -81,8 +81,8 @@ def _serve(args: argparse.Namespace) -> int:
     freeze_gc()
     # The engine thread and the event loop share the GIL. A busy event loop (dozens of streams' SSE chunks)
     # holds it for up to the switch interval each time the engine thread comes back from a kernel and wants
-    # it. Shorter is faster for many streams, but not the default: a decode worker with its KV receiver came
-    # up ~8x slower with 0.5 ms (docs/performance-notes.md#the-gil-between-the-engine-and-the-event-loop).
+    # it. Shorter is faster for many streams; not yet the default, having been measured on one machine only
+    # (docs/performance-notes.md#the-gil-between-the-engine-and-the-event-loop).
     if args.gil_switch_interval is not None:
         sys.setswitchinterval(args.gil_switch_interval)
     name = args.served_model_name or core.model_name
