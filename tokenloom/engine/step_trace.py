@@ -37,23 +37,19 @@ class StepTrace:
             self._file: io.TextIOWrapper = open(path, "w", newline="")  # noqa: SIM115 - closed by close()
         except OSError as e:
             raise ConfigError(f"--step-trace {path}: cannot write it ({e.strerror})") from None
-        self.path = path
         self._writer = csv.writer(self._file)
         self._writer.writerow(COLUMNS)
         self._flush_every = flush_every
-        self._pending = 0
-        self.lines = 0
+        self._pending = 0  # lines written since the last flush
 
     def write(self, loop_start: float, step_start: float, compute_start: float, compute_end: float,
               step_end: float, posted: float, rows: Sequence[Row], streamed: int) -> None:
         self._writer.writerow((f"{loop_start:.6f}", f"{step_start:.6f}", f"{compute_start:.6f}",
                                f"{compute_end:.6f}", f"{step_end:.6f}", f"{posted:.6f}", len(rows),
                                sum(n for n, _ in rows), streamed, " ".join(f"{n}:{c}" for n, c in rows)))
-        self.lines += 1
         self._pending += 1
         if self._pending >= self._flush_every:
-            self._file.flush()
-            self._pending = 0
+            self.flush()
 
     def flush(self) -> None:
         """Write out what is buffered (the engine loop calls this when it goes idle, so that a reader sees
