@@ -19,21 +19,24 @@ knee is low (`--rate-fractions 0.125,0.25,0.5,1,2` brings it back). Keep the mac
    a. calibration runs, which are never judged (--calibration-prompts requests each, each bench call
       with its own seed, so that no judged prompt is in the server's prefix cache from them): every
       set-up at concurrency 1 (or --calibration-load poisson: at --calibration-rate), and the single
-      server also at concurrency 8 and 32, the 2-worker cluster at 8. `plan calibrate` then fits, with
+      server also at concurrency 8 and 32, the 2-worker cluster at 8, the split fleet at 4. `plan calibrate`
+      then fits, with
       everything measured so far:
       per step + per row from the single server's step trace of those runs (`serve --step-trace`: each
       served decode step against the profile's price for its rows; --no-step-trace: from the runs' TPOT
       medians instead) and per request (light TTFT less the simulated one); the
-      router hop (light) and per-token router cost (loaded) from the 2-worker cluster; the prefill -> decode handoff from
-      the split cluster (see tokenloom/plan/calibrate.py). The split set-up uses the router terms only if
-      cluster-2 ran before it. The fit is printed.
+      router hop (light) and per-token router cost (loaded) from the 2-worker cluster; the prefill -> decode
+      handoff (light) and the interference of streams with prefills (loaded) from the split cluster, the
+      router terms refitted with it (see tokenloom/plan/calibrate.py). The split set-up uses the router
+      terms only if cluster-2 ran before it. The fit is printed.
    b. the judged runs: --repeats sweeps of `bench serve` at Poisson rates, by default 1/4, 1/2, 1 and 2 x
       the knee the calibrated planner predicts for that fleet (a sweep of simulated rates), so that the
       real knee falls inside the sweep even where the prediction is off; or --rates for all. Each sweep
       has its own seed (distinct prompts and arrival times, none a prefix-cache hit of another's).
    --no-calibrate skips (a) and compares the bare engine-step profile.
 3. The simulation replays each judged point's records (its very arrival times and lengths) on the
-   matching simulated fleet, with the profile calibrated up to that set-up. Per set-up and rate, the
+   matching simulated fleet, with the last calibrated profile (every set-up's calibration points; the
+   judged rates of each set-up were chosen with the profile calibrated up to it). Per set-up and rate, the
    table gives the median over the repeats of the measured p50/p99 TTFT and TPOT and the median of the
    simulations of each repeat's records, with the relative error of those medians, and the knee (bench's
    definition) of the median measured and of the median simulated sweep (median output throughput and
@@ -76,7 +79,9 @@ SETUPS: dict[str, tuple[list[str], FleetConfig]] = {
 # The single server's per-row fit also needs loaded calibration points: concurrency 8, and 32 for the
 # contention of many streams (the step trace's fit sees every step of both).
 # The cluster's router per-token cost shows only when both workers stream at once: concurrency 8.
-LOADED = {"single": ["--concurrency", "8,32"], "cluster-2": ["--concurrency", "8"]}
+# The split fleet's interference (its decode worker's streams slowing its prefill worker) shows when prompts
+# arrive while others stream: concurrency 4.
+LOADED = {"single": ["--concurrency", "8,32"], "cluster-2": ["--concurrency", "8"], "split-1P1D": ["--concurrency", "4"]}
 METRICS = ("ttft_s_median", "ttft_s_p99", "tpot_s_median", "tpot_s_p99")
 # What a sweep's rows carry per side (measured / sim), medians over the repeats in the judged rows.
 FIGURES = (*METRICS, "out_tok_s", "e2el_p95")
@@ -295,12 +300,17 @@ def main() -> None:
     calibrated: dict[str, list[Path]] = {}
     rows: list[dict[str, Any]] = []
     sweeps: list[dict[str, Any]] = []
+    measured: list[tuple[str, list[Path]]] = []
     for name in a.setups:
         prof, folders = run_setup(name, prof, calibrated, a, bare)
+        measured.append((name, folders))
+    # Every set-up is judged with the last profile, calibrated on every set-up's calibration points (a later
+    # set-up's terms, e.g. the split fleet's interference, refit the earlier ones).
+    for name, folders in measured:
         mine = [r for i, f in enumerate(folders) for r in sweep(name, SETUPS[name][1], prof, f, i, a)]
         sweeps += mine
         rows += compare(name, mine, a)
-        (a.out / "validation.json").write_text(json.dumps({"median": rows, "repeats": sweeps}, indent=1))
+    (a.out / "validation.json").write_text(json.dumps({"median": rows, "repeats": sweeps}, indent=1))
     md = table(rows) + "\n\n" + verdict(rows)
     (a.out / "table.md").write_text(md + "\n")
     print(md)

@@ -244,6 +244,46 @@ def test_calibration_recovers_known_serving_terms(tmp_path: Path) -> None:
     assert Profile.load(tmp_path / "p.json").router_hop_s == got.router_hop_s
 
 
+def test_interference_comes_from_a_loaded_split_point(tmp_path: Path) -> None:
+    from tokenloom.plan.calibrate import calibrate
+
+    # "Reality": the decode worker's streaming steps slow the prefill worker by 2 ms per step/s, and a
+    # handoff costs 40 ms more than its bytes. At the light point nothing streams during a prefill; at
+    # the loaded one (20 req/s, labelled concurrency 4) prefills overlap streams and run slower.
+    bare = profile((0.002, 1e-5, 2e-4))
+    real = replace(bare, request_s=0.05, response_s=0.01, handoff_s=0.04, interference_step_s=0.002)
+    split_fleet = FleetConfig(workers=1, prefill_workers=1)
+    single = _bench_folder(tmp_path / "single", replace(real, handoff_s=0.0, interference_step_s=0.0),
+                           FleetConfig(), [(0.2, None), (30.0, 8)])
+    split = _bench_folder(tmp_path / "split", real, split_fleet, [(0.2, None), (20.0, 4)])
+    got = calibrate(bare, [single], FleetConfig(), split=([split], split_fleet))
+    assert got.handoff_s == pytest.approx(0.04, rel=0.1)
+    assert got.interference_step_s == pytest.approx(0.002, rel=0.1)
+    fits = [f for f in got.calibration["residual_fits"] if f["term"] == "interference_step_s"]
+    assert [f["concurrency"] for f in fits] == [4]
+    # Without the term the loaded point's TTFT is simulated short: the fit had something to find.
+    loaded = poisson(20.0, 60, 64, 32, seed=5)
+    slow = fleet_summary(simulate(real, split_fleet, loaded))["ttft_s_median"]
+    fast = fleet_summary(simulate(replace(real, interference_step_s=0.0), split_fleet, loaded))["ttft_s_median"]
+    assert slow > fast * 1.02
+
+
+def test_interference_slows_a_prefill_by_the_other_workers_streaming_steps() -> None:
+    # Two workers, one request each, arriving together: worker 0 decodes (one token per 5 ms step) while
+    # worker 1 prefills a long prompt whose step starts when worker 0's first decode step is in flight.
+    p = replace(profile((0.005, 0.0, 0.0)), interference_step_s=0.01)
+    fleet = FleetConfig(workers=2, policy="round_robin", router=False)
+    reqs = [SimRequest(0.0, tuple(range(1, 9)), 20), SimRequest(0.006, tuple(range(100, 108)), 2)]
+    res = simulate(p, fleet, reqs)
+    # Worker 0: prefill step [0, 5 ms] (it samples: a streaming step), its next steps too. Worker 1's
+    # prefill starts at 6 ms while worker 0 streams in a 5 ms step (200 steps/s): 5 ms x (1 + 0.01 x 200).
+    assert res.records[1].first_token == pytest.approx(0.006 + 0.005 * 3.0)
+    assert res.records[0].first_token == pytest.approx(0.005)
+    # Without the term both are plain 5 ms steps.
+    res0 = simulate(replace(p, interference_step_s=0.0), fleet, reqs)
+    assert res0.records[1].first_token == pytest.approx(0.011)
+
+
 def test_router_token_cost_comes_from_a_loaded_cluster_point(tmp_path: Path) -> None:
     from tokenloom.plan.calibrate import calibrate
 

@@ -66,6 +66,9 @@ class RayServe:
                  worker_flags: tuple[str, ...] = ()) -> None:
         for other in _RUNNING:
             other.stop()
+        # The cluster's two CPUs hold one deployment's workers: start only once the last one's are released
+        # (else these workers wait, unplaced, until the health timeout).
+        cluster.wait_idle()
         key_file = log.with_name("api-key")
         key_file.write_text(AUTH["Authorization"].split()[1])
         self.port = free_port()
@@ -329,6 +332,7 @@ def test_the_rayservice_application_under_serve_run(ray_cluster: LocalRayCluster
 
     for other in _RUNNING:
         other.stop()
+    ray_cluster.wait_idle()
     folder = tmp_path_factory.mktemp("ray-serve-app")
     model = long_tiny_model(folder)
     manifest = yaml.safe_load((REPO / "deploy/kubernetes/ray/rayservice.yaml").read_text())
@@ -376,6 +380,11 @@ def test_the_rayservice_application_under_serve_run(ray_cluster: LocalRayCluster
     finally:
         # SIGINT: `serve run` shuts the application down, and the workers stop with it
         stop_process_group(proc, sig=signal.SIGINT)
+        # Serve's controller is a detached actor: where `serve run` was killed before it finished shutting
+        # down (a slow machine), the application and its workers outlive it and hold the cluster's CPUs.
+        subprocess.run([sys.executable, "-c", "import ray; from ray import serve; "
+                        f"ray.init(address={ray_cluster.address!r}); serve.shutdown()"],
+                       env=ray_cluster.env, capture_output=True, timeout=180)
 
 
 def test_split_prefill_decode_across_the_two_nodes_equals_one_worker(
@@ -409,3 +418,32 @@ def test_split_prefill_decode_across_the_two_nodes_equals_one_worker(
         assert m[f"tokenloom:router_kv_transfer_bytes_total{{worker={prefill['url']}}}"] > 0
     finally:
         s.stop()
+
+
+def test_cpus_in_use_reads_ray_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What wait_idle() waits on: the CPUs `ray status` reports held (no Ray needed)."""
+    cluster = LocalRayCluster([NodeSpec(1)])  # never started: stop() only removes its temp dir
+    report = ("Node status\n---\nActive:\n 1 node_a\n 1 node_b\nPending:\n (no pending nodes)\n\nResources\n---\n"
+              "Usage:\n {used}/2.0 CPU\n 0.0/1.0 node2\n 0B/160.00MiB object_store_memory\n\nDemands:\n"
+              " (no resource demands)\n")
+    monkeypatch.setattr(cluster, "status", lambda: report.format(used="1.0"))
+    try:
+        _check_usage(cluster, report, monkeypatch)
+    finally:
+        cluster.stop()
+
+
+def _check_usage(cluster: LocalRayCluster, report: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cluster.cpus_in_use() == 1.0
+    with pytest.raises(TimeoutError, match="1.0 CPU"):
+        cluster.wait_idle(timeout=0.0)
+    monkeypatch.setattr(cluster, "status", lambda: report.format(used="0.0"))
+    assert cluster.cpus_in_use() == 0.0
+    cluster.wait_idle(timeout=0.0)
+    # A placement group's reservation holds its CPUs whether its actors use them or not.
+    monkeypatch.setattr(cluster, "status", lambda: report.format(
+        used="0.0").replace("0.0/2.0 CPU", "0.0/2.0 CPU (0.0 used of 2.0 reserved in placement groups)"))
+    assert cluster.cpus_in_use() == 2.0
+    monkeypatch.setattr(cluster, "status", lambda: "`ray status` failed: no cluster")
+    assert cluster.cpus_in_use() is None
+    assert cluster._alive_nodes() == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,6 +26,9 @@ from tokenloom.netutil import free_port
 
 
 _MARKER = "TOKENLOOM_LOCAL_RAY_CLUSTER"
+# A `ray status` usage line for CPUs (ray/autoscaler/_private/util.py's format).
+_CPU_USAGE = re.compile(r"^\s*(?P<used>[\d.]+)/(?P<total>[\d.]+) CPU"
+                        r"(?: \((?P<pg_used>[\d.]+) used of (?P<reserved>[\d.]+) reserved in placement groups\))?\s*$")
 
 
 def marked_pids(marker: str) -> list[int]:
@@ -98,12 +102,41 @@ class LocalRayCluster:
         for p in self.procs:
             if p.poll() is not None:
                 raise RuntimeError(f"a `ray start` exited with {p.returncode}: {self.log_tail()}")
+        out = self.status()
+        if "Active:" not in out:
+            return 0
+        active = out.split("Active:", 1)[-1].split("Pending:", 1)[0]
+        return sum(1 for line in active.splitlines() if line.strip().startswith("1 node_"))
+
+    def status(self) -> str:
+        """`ray status` of this cluster (its nodes, resource usage and pending demands)."""
         r = subprocess.run([self._ray(), "status", "--address", self.address], capture_output=True, text=True,
                            env=self.env, timeout=60)
-        if r.returncode != 0:
-            return 0
-        active = r.stdout.split("Active:", 1)[-1].split("Pending:", 1)[0]
-        return sum(1 for line in active.splitlines() if line.strip().startswith("1 node_"))
+        return r.stdout if r.returncode == 0 else f"`ray status` failed: {r.stderr[-1000:]}"
+
+    def cpus_in_use(self) -> float | None:
+        """The CPUs Ray's actors, tasks and placement groups hold now, None if `ray status` does not say.
+        Its usage line reads "1.0/2.0 CPU", or with placement groups "1.0/2.0 CPU (1.0 used of 2.0 reserved in
+        placement groups)", where the first figure counts only what is used of a reservation: a group's
+        unused reservation still blocks other actors, so it is added back."""
+        usage = self.status().split("Usage:", 1)[-1]
+        for line in usage.splitlines():
+            m = _CPU_USAGE.match(line)
+            if m:
+                used = float(m["used"])
+                if m["reserved"] is not None:
+                    used += float(m["reserved"]) - float(m["pg_used"])
+                return used
+        return None
+
+    def wait_idle(self, timeout: float = 120.0) -> None:
+        """Wait until no actor holds a CPU: what an earlier deployment started has been released (Ray frees
+        an actor's resources some time after its owner dies). TimeoutError with `ray status` otherwise."""
+        deadline = time.monotonic() + timeout
+        while (used := self.cpus_in_use()) != 0.0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Ray: {used} CPU(s) still held after {timeout:.0f} s: {self.status()}")
+            time.sleep(0.5)
 
     def _wait(self, done: Callable[[], bool], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout

@@ -23,7 +23,10 @@ each a least-squares fit of a constant or a line to a few measured `bench serve`
    (`_per_token_fit`); without loaded points, from the
    light ones (about one streamed row per step, so the gap is the per-token cost). Then router_hop_s =
    measured - simulated median TTFT at the light points.
-3. A split fleet (optional, its light points): handoff_s = measured - simulated median TTFT.
+3. A split fleet (optional): handoff_s = measured - simulated median TTFT at its light points; and from
+   its loaded points (e.g. concurrency 4), interference_step_s: how much the decode worker's streaming
+   steps slow the prefill worker's steps on the shared host (secant on the median TTFT gap). It slows a
+   colocated cluster's workers too, so the router terms are fitted again with it (three rounds).
 Every term is clipped at 0 (a faster-than-simulated measurement means no such cost, not a negative one).
 Calibrate on points you will not judge the simulation by, then compare at others.
 """
@@ -97,10 +100,17 @@ def response_tail(trace: Path) -> float:
 
 def _residual_fit(name: str, prof: Profile, fleet: FleetConfig, points: list[Point], metric: str, seed: int,
                   log: Callable[[str], None]) -> tuple[float, list[dict[str, Any]]]:
-    """Least squares of a constant: the mean over `points` of measured - simulated `metric`, clipped at 0."""
+    """Least squares of a constant: the mean over `points` of measured - simulated `metric` (simulated with
+    the term at 0), clipped at 0."""
     rows = []
     for point, trace in points:
-        s = fleet_summary(simulate(prof, fleet, replay(trace, seed=seed), seed))
+        # At concurrency 1 one request is in flight at a time, so nothing streams during a prefill; the
+        # replay (open loop, at the measured start times) can overlap a request's simulated tail with the
+        # next one's prefill, which the interference would then slow: it is left out there.
+        cur = replace(prof, **{name: 0.0})  # the term's own current value out: the residual is all of it
+        if point.get("concurrency") == 1:
+            cur = replace(cur, interference_step_s=0.0)
+        s = fleet_summary(simulate(cur, fleet, replay(trace, seed=seed), seed))
         if point.get(metric) is None or s[metric] is None:
             continue
         rows.append({"term": name, "concurrency": point.get("concurrency"), "request_rate": point.get("request_rate"),
@@ -114,46 +124,87 @@ def _residual_fit(name: str, prof: Profile, fleet: FleetConfig, points: list[Poi
     return value, rows
 
 
-def _per_token_fit(prof: Profile, fleet: FleetConfig, points: list[Point], seed: int, log: Callable[[str], None],
-                   rounds: int = 8) -> tuple[float, list[dict[str, Any]]]:
-    """router_token_s from loaded points: the value at which the mean of (measured - simulated median TPOT)
-    over the points is 0. Each streamed token lengthens the step that made it by the term, so a step of R
-    rows grows by about R x it: the first guess is the gap at 0 per running row, then secant steps (the
-    gap shrinks as the term grows, not quite linearly: longer steps keep more rows running). Clipped at 0."""
+def _zero_gap_fit(term: str, prof: Profile, fleet: FleetConfig, points: list[Point], metric: str, seed: int,
+                  log: Callable[[str], None], first: Callable[[float, float], float],
+                  rounds: int = 8) -> tuple[float, list[dict[str, Any]]]:
+    """The value of the profile's `term` at which the mean of (measured - simulated `metric`) over `points`
+    is 0: a first guess `first(gap at 0, mean running rows at 0)`, bracketed, then regula falsi (the gap
+    shrinks as the term grows, not quite linearly: longer steps keep more rows running). Clipped at 0:
+    measured no slower than the simulation without the term means no such cost."""
     reqs = [replay(trace, seed=seed) for _, trace in points]
 
     def gap(value: float) -> tuple[float, float, list[dict[str, Any]]]:
-        cur = replace(prof, router_token_s=value)
+        cur = replace(prof, **{term: value})
         gaps, runs, rows = [], [], []
         for (point, _), rq in zip(points, reqs):
             s = fleet_summary(simulate(cur, fleet, rq, seed))
-            if point.get("tpot_s_median") is None or s["tpot_s_median"] is None:
+            if point.get(metric) is None or s[metric] is None:
                 continue
-            gaps.append(point["tpot_s_median"] - s["tpot_s_median"])
+            gaps.append(point[metric] - s[metric])
             runs.append(max(1.0, s["running_mean"]))
-            rows.append({"term": "router_token_s", "concurrency": point.get("concurrency"),
-                         "request_rate": point.get("request_rate"), "metric": "tpot_s_median",
-                         "measured_s": point["tpot_s_median"], "simulated_s": s["tpot_s_median"],
-                         "rows": s["running_mean"], "router_token_s": value})
+            rows.append({"term": term, "concurrency": point.get("concurrency"),
+                         "request_rate": point.get("request_rate"), "metric": metric,
+                         "measured_s": point[metric], "simulated_s": s[metric],
+                         "rows": s["running_mean"], term: value})
         if not gaps:
-            raise ConfigError("calibrating router_token_s needs a loaded cluster point with a TPOT")
+            raise ConfigError(f"calibrating {term} needs a loaded measured point with a {metric}")
         return float(np.mean(gaps)), float(np.mean(runs)), rows
 
-    x0, (g0, r0, rows) = 0.0, gap(0.0)
-    x1 = 0.0  # measured no slower than the simulation without the term: no such cost
+    g0, r0, rows = gap(0.0)
+    x1 = 0.0
     if g0 > 0:
-        x1 = g0 / r0
-        for _ in range(rounds):
-            g1, _, rows = gap(x1)
-            if abs(g1) < 1e-6 or g1 == g0:
+        # The gap falls as the term grows: bracket its zero (doubling from the first guess), then regula
+        # falsi with the Illinois rule. A secant step alone can leap far past it where the gap is flat.
+        lo, g_lo = 0.0, g0
+        hi = max(first(g0, r0), 1e-9)
+        g_hi, _, rows = gap(hi)
+        for _ in range(40):
+            if g_hi <= 0:
                 break
-            x0, g0, x1 = x1, g1, max(0.0, x1 - g1 * (x1 - x0) / (g1 - g0))
+            lo, g_lo, hi = hi, g_hi, hi * 2
+            g_hi, _, rows = gap(hi)
+        if g_hi > 0:
+            raise ConfigError(f"calibrating {term}: no value up to {hi:.3g} brings the simulated {metric} up to "
+                              f"the measured one")
+        x1 = hi
+        side = 0
+        for _ in range(rounds):
+            x1 = hi - g_hi * (hi - lo) / (g_hi - g_lo) if g_hi != g_lo else (lo + hi) / 2
+            g1, _, rows = gap(x1)
+            if abs(g1) < 1e-6:
+                break
+            if g1 > 0:
+                lo, g_lo = x1, g1
+                if side == 1:
+                    g_hi /= 2  # Illinois: the end that stays put for a second time weighs half
+                side = 1
+            else:
+                hi, g_hi = x1, g1
+                if side == -1:
+                    g_lo /= 2
+                side = -1
         rows = gap(x1)[2]
     for r in rows:
-        log(f"  router_token_s: tpot_s_median measured {r['measured_s'] * 1e3:.1f} ms, simulated "
-            f"{r['simulated_s'] * 1e3:.1f} ms at {r['rows']:.1f} rows (concurrency {r['concurrency']})")
-    log(f"  -> router_token_s = {x1 * 1e3:.3f} ms")
+        log(f"  {term}: {metric} measured {r['measured_s'] * 1e3:.1f} ms, simulated {r['simulated_s'] * 1e3:.1f} ms "
+            f"at {r['rows']:.1f} rows (concurrency {r['concurrency']}, rate {r['request_rate']})")
+    log(f"  -> {term} = {x1 * 1e3:.3f} ms")
     return x1, rows
+
+
+def _per_token_fit(prof: Profile, fleet: FleetConfig, points: list[Point], seed: int,
+                   log: Callable[[str], None]) -> tuple[float, list[dict[str, Any]]]:
+    """router_token_s from loaded cluster points (median TPOT). Each streamed token lengthens the step that
+    made it by the term, so a step of R rows grows by about R x it: the first guess is the gap per running
+    row."""
+    return _zero_gap_fit("router_token_s", prof, fleet, points, "tpot_s_median", seed, log, lambda g, rows: g / rows)
+
+
+def _interference_fit(prof: Profile, fleet: FleetConfig, points: list[Point], seed: int,
+                      log: Callable[[str], None]) -> tuple[float, list[dict[str, Any]]]:
+    """interference_step_s from loaded split points (median TTFT): there a prompt's prefill runs while the
+    decode worker streams. First guess 2 ms of slowing per streaming step per second (about what the 2-core
+    CPU showed); the bracketed search does the rest."""
+    return _zero_gap_fit("interference_step_s", prof, fleet, points, "ttft_s_median", seed, log, lambda g, rows: 2e-3)
 
 
 def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: int = 0, rounds: int = 6,
@@ -184,7 +235,7 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     used: list[dict[str, Any]] = []
     for _ in range(rounds):
         cur = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
-                      router_hop_s=0.0, router_token_s=0.0, handoff_s=0.0)
+                      router_hop_s=0.0, router_token_s=0.0, handoff_s=0.0, interference_step_s=0.0)
         xs, ys, used, gaps = [], [], [], []
         for (point, _), reqs in zip(points, requests):
             s = fleet_summary(simulate(cur, fleet, reqs, seed))
@@ -205,29 +256,42 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
             a, b = (float(v) for v in nnls(np.array(xs), np.array(ys)))
         req = max(0.0, float(np.mean(gaps))) if gaps else 0.0
     out = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
-                  router_hop_s=0.0, router_token_s=0.0, handoff_s=0.0)
+                  router_hop_s=0.0, router_token_s=0.0, handoff_s=0.0, interference_step_s=0.0)
     log(f"single server: {a * 1e3:.2f} ms/step + {b * 1e3:.3f} ms/row; request {req * 1e3:.1f} ms, "
         f"response {response * 1e3:.1f} ms, from {len(used)} points")
     fits: list[dict[str, Any]] = []
+    c_light = c_loaded = s_light = s_loaded = None
     if cluster is not None:
         every = [pt for f in cluster[0] for pt in bench_points(f)]
-        pts = light(every)
-        loaded = [pt for pt in every if all(pt is not p for p in pts) and pt[0].get("tpot_s_median") is not None]
-        if loaded:  # the router's per-token cost shows when both workers stream at once, not at concurrency 1
-            tok, r1 = _per_token_fit(out, cluster[1], loaded, seed, log)
-        else:
-            tok, r1 = _residual_fit("router_token_s", out, cluster[1], pts, "tpot_s_median", seed, log)
-        out = replace(out, router_token_s=tok)
-        hop, r2 = _residual_fit("router_hop_s", out, cluster[1], pts, "ttft_s_median", seed, log)
-        out = replace(out, router_hop_s=hop)
-        fits += r1 + r2
+        c_light = light(every)
+        c_loaded = [pt for pt in every if all(pt is not p for p in c_light) and pt[0].get("tpot_s_median") is not None]
     if split is not None:
         if split[1].prefill_workers < 1:
             raise ConfigError("the split calibration fleet needs prefill workers")
-        pts = light([pt for f in split[0] for pt in bench_points(f)])
-        handoff, r3 = _residual_fit("handoff_s", out, split[1], pts, "ttft_s_median", seed, log)
-        out = replace(out, handoff_s=handoff)
-        fits += r3
+        every = [pt for f in split[0] for pt in bench_points(f)]
+        s_light = light(every)
+        s_loaded = [pt for pt in every if all(pt is not p for p in s_light) and pt[0].get("ttft_s_median") is not None]
+    # The interference (from a loaded split point) also slows the cluster's workers while the other streams,
+    # so the router's per-token cost is fitted again with it in place: alternate until they settle.
+    for _ in range(3 if cluster is not None and s_loaded else 1):
+        fits = []
+        if cluster is not None and c_light is not None and c_loaded is not None:
+            if c_loaded:  # the router's per-token cost shows when both workers stream at once, not at concurrency 1
+                tok, r1 = _per_token_fit(out, cluster[1], c_loaded, seed, log)
+            else:
+                tok, r1 = _residual_fit("router_token_s", out, cluster[1], c_light, "tpot_s_median", seed, log)
+            out = replace(out, router_token_s=tok)
+            hop, r2 = _residual_fit("router_hop_s", out, cluster[1], c_light, "ttft_s_median", seed, log)
+            out = replace(out, router_hop_s=hop)
+            fits += r1 + r2
+        if split is not None and s_light is not None and s_loaded is not None:
+            handoff, r3 = _residual_fit("handoff_s", out, split[1], s_light, "ttft_s_median", seed, log)
+            out = replace(out, handoff_s=handoff)
+            fits += r3
+            if s_loaded:
+                inter, r4 = _interference_fit(out, split[1], s_loaded, seed, log)
+                out = replace(out, interference_step_s=inter)
+                fits += r4
     return replace(out, calibration={"points": used, "residual_fits": fits, "folders": [str(f) for f in folders],
                                      "step_traces": [str(f) for f in step_traces or []],
                                      "step_trace_fit": None if traced is None else traced.line(),
@@ -240,4 +304,5 @@ def overheads_line(prof: Profile) -> str:
     """The calibrated terms in one line (milliseconds)."""
     return (f"{prof.overhead_step_s * 1e3:.2f} ms/step + {prof.overhead_row_s * 1e3:.3f} ms/row; per request "
             f"{prof.request_s * 1e3:.1f} ms in + {prof.response_s * 1e3:.1f} ms out; router {prof.router_hop_s * 1e3:.1f} "
-            f"ms/request + {prof.router_token_s * 1e3:.2f} ms/token; split handoff +{prof.handoff_s * 1e3:.1f} ms")
+            f"ms/request + {prof.router_token_s * 1e3:.2f} ms/token; split handoff +{prof.handoff_s * 1e3:.1f} ms; "
+            f"interference {prof.interference_step_s * 1e3:.2f} ms per streaming step/s of other workers")

@@ -88,10 +88,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     ca.add_argument("--bench", type=Path, nargs="+", required=True, help="`bench serve` results folders")
     ca.add_argument("--workers", type=int, default=1, help="workers of the measured server (1: `serve`)")
     ca.add_argument("--cluster-bench", type=Path, nargs="+", default=None,
-                    help="`bench serve` folders of a cluster behind the router at light load: fits the router terms")
+                    help="`bench serve` folders of a cluster behind the router: its light point (concurrency 1) fits the "
+                         "router's per-request hop, a loaded one (e.g. concurrency 8) its per-token cost")
     ca.add_argument("--cluster-workers", type=int, default=2, help="workers of that cluster")
     ca.add_argument("--split-bench", type=Path, nargs="+", default=None,
-                    help="`bench serve` folders of a 1 prefill + 1 decode cluster at light load: fits the handoff")
+                    help="`bench serve` folders of a 1 prefill + 1 decode cluster: its light point fits the handoff, a "
+                         "loaded one (e.g. concurrency 4) how the decode worker's streams slow the prefill worker")
     ca.add_argument("--step-trace", type=Path, nargs="+", default=None,
                     help="the server's `serve --step-trace` CSV over the --bench runs: fits the per-step and per-row "
                          "overhead from its steps instead of from the runs' TPOT medians")

@@ -15,7 +15,7 @@ from tokenloom.plan.cost_model import LinearStepCost, StepCost
 MEASURED = "measured"
 # The serving-time terms `plan calibrate` fits (seconds), beside the engine step's cost.
 OVERHEADS = ("overhead_step_s", "overhead_row_s", "request_s", "response_s", "router_hop_s", "router_token_s",
-             "handoff_s")
+             "handoff_s", "interference_step_s")
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,12 @@ class Profile:
     # Split fleets: the prefill -> decode handoff beyond bytes / link bandwidth (the prefill HTTP round
     # trip, KV export and import, the ZeroMQ send, the decode request's set-up).
     handoff_s: float = 0.0
+    # Workers sharing one host: each step per second in which the *other* workers stream tokens slows a step
+    # that computes prompt tokens by this many seconds per second (the router, the client and their HTTP
+    # loops, woken by every streaming step, preempt the engine thread and evict its caches). Seen on the
+    # 2-core CPU as a split fleet's prefill slowed 20-30% while its decode worker streamed; fitted from a
+    # loaded split point (plan/calibrate.py).
+    interference_step_s: float = 0.0
 
     def step_time(self, rows: list[tuple[int, int]]) -> float:
         """One simulated step: the engine step's cost plus the serving overhead."""

@@ -22,7 +22,12 @@ holding an engine: it reaches its worker's scheduler `request_s` after it arrive
 behind a router), and its response ends `response_s` after its last token. A split fleet's handoff takes
 bytes / link bandwidth + link latency + the profile's `handoff_s`. Behind a router, every streamed token
 also costs `router_token_s` of CPU that the router takes from the cores the workers run on (on the
-measured machine all processes share them), so it lengthens the step that produced the token.
+measured machine all processes share them), so it lengthens the step that produced the token. And each
+step per second that the other workers stream tokens in slows a step that computes prompt tokens by the
+profile's `interference_step_s` seconds per second (the fleet's workers share the host the profile was
+calibrated on): a split fleet's prefill runs slower while its decode worker streams. Per streaming step,
+not per token: every step wakes the router, the client and the HTTP loops once, whatever its rows (on the
+2-core CPU this fitted the split fleet's TTFT better than a per-token charge, 1 and 2 req/s).
 """
 
 from __future__ import annotations
@@ -138,9 +143,11 @@ class SimWorker:
         self.samples: list[tuple[int, int, float]] = []  # per step: (waiting, running, KV usage)
         # The router's CPU per token this worker streams through it (a prefill worker streams none).
         self.token_s = profile.router_token_s if fleet.behind_router and role != "prefill" else 0.0
+        self.stream_rate = 0.0  # 1 / its step's duration while a step that streams tokens is in flight, else 0
 
-    def start_step(self) -> float | None:
-        """Schedule a step; its duration, or None when there is nothing to run."""
+    def start_step(self, others_rate: float = 0.0) -> float | None:
+        """Schedule a step; its duration, or None when there is nothing to run. `others_rate`: the streaming
+        steps per second of the fleet's other workers at this moment (their steps in flight)."""
         if not self.scheduler.has_unfinished():
             return None
         batch = self.scheduler.schedule()
@@ -156,6 +163,12 @@ class SimWorker:
         # Rows whose step reaches the end of their known tokens sample one token each (see finish_step).
         streamed = sum(1 for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens)
         dt = self.profile.step_time(rows) + self.token_s * streamed
+        if any(n > 1 for n in batch.num_new_tokens):
+            # Interference slows prompt computation (measured: a split fleet's TTFT grows with the decode
+            # worker's streams); decode-only steps showed none (a 2-worker cluster's TPOT at concurrency 8).
+            dt *= 1.0 + self.profile.interference_step_s * others_rate
+        # A prefill worker's one token goes back to the router, not to a client stream.
+        self.stream_rate = 1.0 / dt if streamed and self.role != "prefill" and dt > 0 else 0.0
         self.steps += 1
         self.busy_s += dt
         return dt
@@ -166,6 +179,7 @@ class SimWorker:
         if batch is None:
             raise SimulationError("finish_step without a step in flight")
         self.batch = None
+        self.stream_rate = 0.0
         # The runner's rule: a row samples when its step reaches the end of the tokens it knows.
         tokens: list[int | None] = [self.rng.randrange(VOCAB) if s.num_computed_tokens + n == s.num_tokens else None
                                     for s, n in zip(batch.seqs, batch.num_new_tokens)]
@@ -218,6 +232,7 @@ class Simulation:
         self.decode = [SimWorker(i, "decode" if fleet.prefill_workers else "worker", profile, fleet, self.rng)
                        for i in range(fleet.workers)]
         self.prefill = [SimWorker(i, "prefill", profile, fleet, self.rng) for i in range(fleet.prefill_workers)]
+        self.workers = self.decode + self.prefill
         router = RouterConfig(workers=tuple(w.route.url for w in self.decode), policy=fleet.policy)  # type: ignore[arg-type]
         self.policy: Policy = make_policy(router)
         self.prefill_policy: Policy = make_policy(router)  # the router's disagg has its own instance too
@@ -264,7 +279,8 @@ class Simulation:
             self._submit(worker, seq, now)
 
     def _kick(self, worker: SimWorker, now: float) -> None:
-        dt = worker.start_step()
+        others = sum(w.stream_rate for w in self.workers if w is not worker) if self.profile.interference_step_s else 0.0
+        dt = worker.start_step(others)
         if dt is not None:
             self._push(now + dt, _STEP_DONE, worker)
 
@@ -331,7 +347,7 @@ class Simulation:
                 self._submit(dw, seq, now)
         start = min(r.request.arrival for r in records)
         last = max([now] + [r.end for r in records if r.end is not None])
-        return SimResult(records, max(last - start, 1e-9), self.decode + self.prefill, self.fleet)
+        return SimResult(records, max(last - start, 1e-9), self.workers, self.fleet)
 
     def _ship(self, rec: SimRecord, seq: Sequence, dw: SimWorker, now: float) -> None:
         """A prefill finished: its full blocks travel to the decode worker (whose request was counted as
