@@ -19,14 +19,15 @@ each a least-squares fit of a constant or a line to a few measured `bench serve`
    These are refitted in turn until they settle (more overhead means more rows in flight).
 2. A cluster behind the router (optional): router_token_s from its loaded points (e.g. concurrency 8,
    where both workers stream while the router proxies every token on the same cores): the measured less
-   the simulated median TPOT per running row as a first guess, then secant steps to a zero mean gap
-   (`_per_token_fit`); without loaded points, from the
-   light ones (about one streamed row per step, so the gap is the per-token cost). Then router_hop_s =
-   measured - simulated median TTFT at the light points.
+   the simulated median TPOT per running row as a first guess, bracketed, then regula falsi to a zero
+   mean gap (`_per_token_fit`); without loaded points, from the light ones (about one streamed row per
+   step, so the gap is the per-token cost). Then router_hop_s = measured - simulated median TTFT at the
+   light points.
 3. A split fleet (optional): handoff_s = measured - simulated median TTFT at its light points; and from
    its loaded points (e.g. concurrency 4), interference_step_s: how much the decode worker's streaming
-   steps slow the prefill worker's steps on the shared host (secant on the median TTFT gap). It slows a
-   colocated cluster's workers too, so the router terms are fitted again with it (three rounds).
+   steps slow the prefill worker's steps on the shared host (the same search on the median TTFT gap).
+   It slows a colocated cluster's prefills too, so the router terms are fitted again with it (three
+   rounds).
 Every term is clipped at 0 (a faster-than-simulated measurement means no such cost, not a negative one).
 Calibrate on points you will not judge the simulation by, then compare at others.
 """
