@@ -428,22 +428,18 @@ def test_cpus_in_use_reads_ray_status(monkeypatch: pytest.MonkeyPatch) -> None:
               " (no resource demands)\n")
     monkeypatch.setattr(cluster, "status", lambda: report.format(used="1.0"))
     try:
-        _check_usage(cluster, report, monkeypatch)
+        assert cluster.cpus_in_use() == 1.0
+        with pytest.raises(TimeoutError, match="1.0 CPU"):
+            cluster.wait_idle(timeout=0.0)
+        monkeypatch.setattr(cluster, "status", lambda: report.format(used="0.0"))
+        assert cluster.cpus_in_use() == 0.0
+        cluster.wait_idle(timeout=0.0)
+        # A placement group's reservation holds its CPUs whether its actors use them or not.
+        monkeypatch.setattr(cluster, "status", lambda: report.format(
+            used="0.0").replace("0.0/2.0 CPU", "0.0/2.0 CPU (0.0 used of 2.0 reserved in placement groups)"))
+        assert cluster.cpus_in_use() == 2.0
+        monkeypatch.setattr(cluster, "status", lambda: "`ray status` failed: no cluster")
+        assert cluster.cpus_in_use() is None
+        assert cluster._alive_nodes() == 0
     finally:
         cluster.stop()
-
-
-def _check_usage(cluster: LocalRayCluster, report: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert cluster.cpus_in_use() == 1.0
-    with pytest.raises(TimeoutError, match="1.0 CPU"):
-        cluster.wait_idle(timeout=0.0)
-    monkeypatch.setattr(cluster, "status", lambda: report.format(used="0.0"))
-    assert cluster.cpus_in_use() == 0.0
-    cluster.wait_idle(timeout=0.0)
-    # A placement group's reservation holds its CPUs whether its actors use them or not.
-    monkeypatch.setattr(cluster, "status", lambda: report.format(
-        used="0.0").replace("0.0/2.0 CPU", "0.0/2.0 CPU (0.0 used of 2.0 reserved in placement groups)"))
-    assert cluster.cpus_in_use() == 2.0
-    monkeypatch.setattr(cluster, "status", lambda: "`ray status` failed: no cluster")
-    assert cluster.cpus_in_use() is None
-    assert cluster._alive_nodes() == 0

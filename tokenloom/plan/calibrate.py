@@ -99,6 +99,13 @@ def response_tail(trace: Path) -> float:
     return max(0.0, float(np.median(tail)))
 
 
+def _light_and_loaded(folders: list[Path], metric: str) -> tuple[list[Point], list[Point]]:
+    """The points of `folders`: the light ones (`light`) and the others that measured `metric`."""
+    every = [pt for f in folders for pt in bench_points(f)]
+    lights = light(every)
+    return lights, [pt for pt in every if all(pt is not p for p in lights) and pt[0].get(metric) is not None]
+
+
 def _residual_fit(name: str, prof: Profile, fleet: FleetConfig, points: list[Point], metric: str, seed: int,
                   log: Callable[[str], None]) -> tuple[float, list[dict[str, Any]]]:
     """Least squares of a constant: the mean over `points` of measured - simulated `metric` (simulated with
@@ -260,37 +267,33 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
                   router_hop_s=0.0, router_token_s=0.0, handoff_s=0.0, interference_step_s=0.0)
     log(f"single server: {a * 1e3:.2f} ms/step + {b * 1e3:.3f} ms/row; request {req * 1e3:.1f} ms, "
         f"response {response * 1e3:.1f} ms, from {len(used)} points")
+    if split is not None and split[1].prefill_workers < 1:
+        raise ConfigError("the split calibration fleet needs prefill workers")
+    # (fleet, light points, loaded points) of each optional measured fleet
+    c_pts = (cluster[1], *_light_and_loaded(cluster[0], "tpot_s_median")) if cluster is not None else None
+    s_pts = (split[1], *_light_and_loaded(split[0], "ttft_s_median")) if split is not None else None
+    # The interference (from a loaded split point) also slows the cluster's prefills while the other worker
+    # streams, so the router terms are fitted again with it in place: alternate until they settle.
     fits: list[dict[str, Any]] = []
-    c_light = c_loaded = s_light = s_loaded = None
-    if cluster is not None:
-        every = [pt for f in cluster[0] for pt in bench_points(f)]
-        c_light = light(every)
-        c_loaded = [pt for pt in every if all(pt is not p for p in c_light) and pt[0].get("tpot_s_median") is not None]
-    if split is not None:
-        if split[1].prefill_workers < 1:
-            raise ConfigError("the split calibration fleet needs prefill workers")
-        every = [pt for f in split[0] for pt in bench_points(f)]
-        s_light = light(every)
-        s_loaded = [pt for pt in every if all(pt is not p for p in s_light) and pt[0].get("ttft_s_median") is not None]
-    # The interference (from a loaded split point) also slows the cluster's workers while the other streams,
-    # so the router's per-token cost is fitted again with it in place: alternate until they settle.
-    for _ in range(3 if cluster is not None and s_loaded else 1):
+    for _ in range(3 if c_pts is not None and s_pts is not None and s_pts[2] else 1):
         fits = []
-        if cluster is not None and c_light is not None and c_loaded is not None:
+        if c_pts is not None:
+            c_fleet, c_light, c_loaded = c_pts
             if c_loaded:  # the router's per-token cost shows when both workers stream at once, not at concurrency 1
-                tok, r1 = _per_token_fit(out, cluster[1], c_loaded, seed, log)
+                tok, r1 = _per_token_fit(out, c_fleet, c_loaded, seed, log)
             else:
-                tok, r1 = _residual_fit("router_token_s", out, cluster[1], c_light, "tpot_s_median", seed, log)
+                tok, r1 = _residual_fit("router_token_s", out, c_fleet, c_light, "tpot_s_median", seed, log)
             out = replace(out, router_token_s=tok)
-            hop, r2 = _residual_fit("router_hop_s", out, cluster[1], c_light, "ttft_s_median", seed, log)
+            hop, r2 = _residual_fit("router_hop_s", out, c_fleet, c_light, "ttft_s_median", seed, log)
             out = replace(out, router_hop_s=hop)
             fits += r1 + r2
-        if split is not None and s_light is not None and s_loaded is not None:
-            handoff, r3 = _residual_fit("handoff_s", out, split[1], s_light, "ttft_s_median", seed, log)
+        if s_pts is not None:
+            s_fleet, s_light, s_loaded = s_pts
+            handoff, r3 = _residual_fit("handoff_s", out, s_fleet, s_light, "ttft_s_median", seed, log)
             out = replace(out, handoff_s=handoff)
             fits += r3
             if s_loaded:
-                inter, r4 = _interference_fit(out, split[1], s_loaded, seed, log)
+                inter, r4 = _interference_fit(out, s_fleet, s_loaded, seed, log)
                 out = replace(out, interference_step_s=inter)
                 fits += r4
     return replace(out, calibration={"points": used, "residual_fits": fits, "folders": [str(f) for f in folders],
