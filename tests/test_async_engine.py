@@ -146,3 +146,52 @@ def test_shutdown_ends_streams(tiny_llama: Path) -> None:
 
     asyncio.run(main())
     assert not eng.is_alive
+
+
+def test_run_then_calls_right_after_the_finishing_step(tiny_llama: Path) -> None:
+    """run_then's fn runs after the step that finished the request and before the next one, even while
+    another stream keeps the engine stepping (the prefill worker's KV export relies on it)."""
+    eng = make(tiny_llama)
+    ids = eng.engine.tokenizer.encode(PROMPTS[0])
+    real_step = eng.engine.step
+    steps = {"n": 0}
+
+    def counting_step() -> list[RequestOutput]:
+        out = real_step()
+        steps["n"] += 1
+        return out
+
+    eng.engine.step = counting_step  # type: ignore[method-assign]
+    finished_at: dict[str, int] = {}
+    real_post = eng._post_all
+
+    def post(items: list[tuple[str, object]]) -> None:
+        for rid, item in items:
+            if isinstance(item, RequestOutput) and item.finished:
+                finished_at[rid] = steps["n"]
+        real_post(items)  # type: ignore[arg-type]
+
+    eng._post_all = post  # type: ignore[method-assign]
+
+    def read(e: object) -> tuple[int, int]:
+        return steps["n"], len(e.kv.pool._evictable)  # type: ignore[attr-defined]
+
+    async def main() -> None:
+        other = asyncio.create_task(collect(eng, PROMPTS_IDS, SamplingParams(temperature=0, max_tokens=120,
+                                                                            ignore_eos=True)))
+        await asyncio.sleep(0.05)  # the other stream is running
+        final, (at, cached) = await eng.run_then(ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                                                 read)
+        assert final.finished and len(final.outputs[0].token_ids) == 1
+        assert at == finished_at[final.request_id]  # no step in between
+        assert cached >= len(ids) // eng.engine.kv.block_size  # the prompt's full blocks are still cached
+        with pytest.raises(ZeroDivisionError):  # fn's failure is the caller's; the engine goes on
+            await eng.run_then(ids, SamplingParams(temperature=0, max_tokens=1), lambda e: 1 // 0)
+        assert len(await other) == 120
+        assert eng.is_alive
+
+    PROMPTS_IDS = eng.engine.tokenizer.encode(PROMPTS[1])
+    try:
+        asyncio.run(main())
+    finally:
+        eng.shutdown()

@@ -178,6 +178,10 @@ def test_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str
     prof = tmp_path / "h100.json"
     assert main(["plan", "hardware", "--hardware", "H100", "--model", "smollm2-135m", "--out", str(prof)]) == 0
     assert main(["plan", "simulate", "--profile", str(prof)]) == 2  # neither --rate nor --trace
+    misspelt = json.loads(prof.read_text()) | {"interference_token_s": 0.002}  # would simulate as 0 s
+    (tmp_path / "misspelt.json").write_text(json.dumps(misspelt))
+    assert main(["plan", "simulate", "--profile", str(tmp_path / "misspelt.json"), "--rate", "1"]) == 2
+    assert "unknown field(s) interference_token_s" in capsys.readouterr().err
     assert main(["plan", "simulate", "--profile", str(prof), "--rate", "5", "--workers", "0"]) == 2
     assert main(["plan", "search", "--profile", str(prof), "--rate", "5", "--slo-ttft-p99", "0",
                  "--slo-tpot-p99", "1"]) == 2

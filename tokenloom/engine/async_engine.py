@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.engine import LLMEngine
@@ -72,8 +72,14 @@ class ModelInfo:
                    sum(p.numel() for p in loaded.model.parameters()))
 
 
-# A caller's stream: its event loop, its queue and the number of sequences its request runs (n).
-_Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]", int]
+class _Stream(NamedTuple):
+    """A caller's stream."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: "asyncio.Queue[RequestOutput | BaseException]"
+    n: int  # the sequences its request runs: what admission counts
+    then: _Call | None  # run on the loop thread as soon as the request finishes (`run_then`)
+
 T = TypeVar("T")
 StepHook = Callable[[LLMEngine, list[RequestOutput]], None]  # runs on the engine thread after each step
 
@@ -169,6 +175,28 @@ class AsyncLLMEngine:
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield delta outputs until the request finishes. Validation errors raise before anything runs."""
+        async for out in self._generate(prompt_token_ids, params, request_id, prompt, priority, None):
+            yield out
+
+    async def run_then(self, prompt_token_ids: list[int], params: SamplingParams,
+                       fn: Callable[[LLMEngine], T]) -> tuple[RequestOutput, T]:
+        """Run a request to its end, then `fn(engine)` on the loop thread right after the step that finished
+        it, before the next step runs; returns (the final delta output, fn's result). The prefill worker
+        exports a prompt's KV blocks this way (serve/kv_api.py): a `call` queued once the final output
+        reached the caller would wait behind the whole next step (a batch of other prompts when prefills
+        queue; docs/benchmarks.md, "The prefill worker's waits"), and that step might evict the blocks.
+        An error or abort raises as in `generate`, and then `fn` does not run."""
+        then = _Call(fn, concurrent.futures.Future())
+        final: RequestOutput | None = None
+        async for out in self._generate(prompt_token_ids, params, None, None, 0, then):
+            final = out
+        if final is None:  # generate always ends with a finished output or raises
+            raise RuntimeError("the request ended without an output")
+        # Done already: the loop thread ran it before it posted the final output.
+        return final, await asyncio.wrap_future(then.future)
+
+    async def _generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None,
+                        prompt: str | None, priority: int, then: _Call | None) -> AsyncIterator[RequestOutput]:
         if not self.is_alive:
             raise EngineDead(f"the engine is not running ({self._dead!r})")
         if self.max_n is not None and params.n > self.max_n:
@@ -188,7 +216,7 @@ class AsyncLLMEngine:
             if limit is not None and self._num_seqs + params.n > limit:
                 raise Overloaded(f"{self._num_seqs} sequences in flight; {params.n} more would overfill the "
                                  f"{self.engine.config.max_num_seqs} running and {self.max_waiting} waiting")
-            self._streams[rid] = (asyncio.get_running_loop(), q, params.n)
+            self._streams[rid] = _Stream(asyncio.get_running_loop(), q, params.n, then)
             self._num_seqs += params.n
         self._inbox.put(_Add(req))
         finished = False
@@ -325,6 +353,7 @@ class AsyncLLMEngine:
         if not items:
             return
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+        thens: list[_Call] = []
         with self._lock:
             for request_id, item in items:
                 stream = self._streams.get(request_id)
@@ -332,7 +361,11 @@ class AsyncLLMEngine:
                     continue
                 if isinstance(item, BaseException) or item.finished:
                     self._drop(request_id)
-                batches.setdefault(stream[0], []).append((stream[1], item))
+                    if stream.then is not None and not isinstance(item, BaseException):
+                        thens.append(stream.then)
+                batches.setdefault(stream.loop, []).append((stream.queue, item))
+        for then in thens:  # before the final outputs go out: the caller finds each result ready
+            self._apply(then)
         for loop, batch in batches.items():
             try:
                 loop.call_soon_threadsafe(_deliver, batch)
@@ -343,7 +376,7 @@ class AsyncLLMEngine:
         """Forget a stream (call with the lock held)."""
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            self._num_seqs -= stream[2]
+            self._num_seqs -= stream.n
 
     def _fail(self, err: BaseException) -> None:
         with self._lock:
@@ -351,9 +384,9 @@ class AsyncLLMEngine:
             streams = list(self._streams.items())
             self._streams.clear()
             self._num_seqs = 0
-        for rid, (loop, q, _) in streams:
+        for rid, stream in streams:
             try:
-                loop.call_soon_threadsafe(q.put_nowait, err)
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)
             except RuntimeError:
                 pass
             self.engine.abort_request(rid)

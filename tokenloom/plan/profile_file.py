@@ -16,6 +16,9 @@ MEASURED = "measured"
 # The serving-time terms `plan calibrate` fits (seconds), beside the engine step's cost.
 OVERHEADS = ("overhead_step_s", "overhead_row_s", "request_s", "response_s", "router_hop_s", "router_token_s",
              "handoff_s", "interference_step_s")
+# Every top-level field of a profile file (Profile.to_json).
+_KEYS = frozenset({"source", "model", "cost", "block_size", "num_blocks", "kv_bytes_per_token", "max_num_seqs",
+                   "max_num_batched_tokens", "max_model_len", "windows", "machine", "fit", "calibration", *OVERHEADS})
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,10 @@ class Profile:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Profile:
+        # A key this version does not know (a misspelt or renamed overhead) would simulate as 0 s: refused.
+        unknown = sorted(set(d) - _KEYS)
+        if unknown:
+            raise ConfigError(f"profile: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(_KEYS))})")
         kind = d.get("cost", {}).get("kind")
         cost: StepCost
         if kind == "linear":

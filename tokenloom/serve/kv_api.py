@@ -51,6 +51,17 @@ class PrefillRequest(Body):  # unknown fields are 400s, as on every route
     timeout: StrictFloat = Field(30.0, gt=0, le=MAX_TIMEOUT, allow_inf_nan=False)
 
 
+async def _layout(state: Any, engine: AsyncLLMEngine) -> KVLayout:
+    """This worker's KV layout, read once on the loop thread and kept: it is fixed at start-up (shapes,
+    dtype, the per-head INT8 scales calibrated while loading). Asked for per request, it waited for the
+    step in flight: a whole batched prefill when prompts queue (docs/benchmarks.md, "The prefill worker's
+    waits")."""
+    layout = getattr(state, "kv_layout", None)
+    if layout is None:
+        layout = state.kv_layout = await engine.call(KVLayout.of)
+    return layout
+
+
 @router.post("/internal/kv/prefill")
 async def prefill(body: PrefillRequest, request: Request) -> Any:
     fe: Frontend = request.app.state.frontend
@@ -88,12 +99,12 @@ async def prefill(body: PrefillRequest, request: Request) -> Any:
     secret = getattr(state, "kv_secret", None)
     start = time.monotonic()
     sent = written = present = nbytes = 0
-    layout = await engine.call(KVLayout.of)
+    layout = await _layout(state, engine)
     for ids in prompts:
-        # One token computes the whole prompt; its blocks stay in this worker's prefix cache.
-        async for _ in engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)):
-            pass
-        records = await engine.call(lambda e, ids=ids: export_prefix(e, ids))
+        # One token computes the whole prompt; its blocks, cached when it finishes, are read right after that
+        # step, before the next one could evict them.
+        _, records = await engine.run_then(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                                           lambda e, ids=ids: export_prefix(e, ids))
         try:
             reply = await asyncio.to_thread(send_blocks, body.kv_target, layout, records, body.timeout, secret)
         except KVTransferError as e:
