@@ -174,7 +174,7 @@ def test_run_then_calls_right_after_the_finishing_step(tiny_llama: Path) -> None
     eng._post_all = post  # type: ignore[method-assign]
 
     def read(e: object) -> tuple[int, int]:
-        return steps["n"], len(e.kv.pool._evictable)  # type: ignore[attr-defined]
+        return steps["n"], e.kv.pool.num_cached  # type: ignore[attr-defined]
 
     async def main() -> None:
         other = asyncio.create_task(collect(eng, PROMPTS_IDS, SamplingParams(temperature=0, max_tokens=120,
