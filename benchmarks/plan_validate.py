@@ -208,12 +208,14 @@ def compare(name: str, sweeps: list[dict[str, Any]], a: argparse.Namespace) -> l
             m, s = row[f"measured_{k}"], row[f"sim_{k}"]
             row[f"err_{k}"] = None if not m or s is None else (s - m) / m
         rows.append(row)
+    def side_knee(side: str, points: list[dict[str, Any]]) -> float | None:
+        return knee([SweepPoint(r["rate"], r[f"{side}_out_tok_s"], r[f"{side}_e2el_p95"]) for r in points
+                     if r[f"{side}_e2el_p95"] is not None], a.knee_efficiency)
+
     for side in ("measured", "sim"):
-        k = knee([SweepPoint(r["rate"], r[f"{side}_out_tok_s"], r[f"{side}_e2el_p95"]) for r in rows
-                  if r[f"{side}_e2el_p95"] is not None], a.knee_efficiency)
+        k = side_knee(side, rows)
         # Each repeat's own knee too (reported, not judged): how well 40 requests per rate place it.
-        per_repeat = [knee([SweepPoint(r["rate"], r[f"{side}_out_tok_s"], r[f"{side}_e2el_p95"]) for r in sweeps
-                            if r["repeat"] == i and r[f"{side}_e2el_p95"] is not None], a.knee_efficiency)
+        per_repeat = [side_knee(side, [r for r in sweeps if r["repeat"] == i])
                       for i in sorted({r["repeat"] for r in sweeps})]
         for r in rows:
             r[f"{side}_knee"] = k

@@ -191,7 +191,7 @@ def _zero_gap_fit(term: str, prof: Profile, fleet: FleetConfig, points: list[Poi
                 if side == -1:
                     g_lo /= 2
                 side = -1
-        rows = gap(x1)[2]
+    # `rows` are those of the last value tried, x1's.
     for r in rows:
         log(f"  {term}: {metric} measured {r['measured_s'] * 1e3:.1f} ms, simulated {r['simulated_s'] * 1e3:.1f} ms "
             f"at {r['rows']:.1f} rows (concurrency {r['concurrency']}, rate {r['request_rate']})")
@@ -221,7 +221,8 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
               step_traces: list[Path] | None = None,
               log: Callable[[str], None] = lambda m: None) -> Profile:
     """Fit the module docstring's terms: `folders` of the single server (`fleet`), then optionally the
-    router terms from `cluster`'s and the handoff from `split`'s measured folders (their light points).
+    router terms from `cluster`'s measured folders, and the handoff (light points) and the interference
+    (loaded points) from `split`'s.
     With `step_traces` (`serve --step-trace` of the same server's calibration runs) the per-step and per-row
     overhead come from the traced steps themselves (plan/host.py) instead of the TPOT regression."""
     points = [pt for folder in folders for pt in bench_points(folder) if pt[0].get("tpot_s_median") is not None]

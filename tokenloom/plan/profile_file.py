@@ -5,7 +5,7 @@ taken with, the model and the machine. Saved as JSON; `source` says whether it w
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +16,6 @@ MEASURED = "measured"
 # The serving-time terms `plan calibrate` fits (seconds), beside the engine step's cost.
 OVERHEADS = ("overhead_step_s", "overhead_row_s", "request_s", "response_s", "router_hop_s", "router_token_s",
              "handoff_s", "interference_step_s")
-# Every top-level field of a profile file (Profile.to_json).
-_KEYS = frozenset({"source", "model", "cost", "block_size", "num_blocks", "kv_bytes_per_token", "max_num_seqs",
-                   "max_num_batched_tokens", "max_model_len", "windows", "machine", "fit", "calibration", *OVERHEADS})
 
 
 @dataclass(frozen=True)
@@ -88,9 +85,10 @@ class Profile:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Profile:
         # A key this version does not know (a misspelt or renamed overhead) would simulate as 0 s: refused.
-        unknown = sorted(set(d) - _KEYS)
+        known = {f.name for f in fields(cls)}  # to_json writes every field under its own name
+        unknown = sorted(set(d) - known)
         if unknown:
-            raise ConfigError(f"profile: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(_KEYS))})")
+            raise ConfigError(f"profile: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
         kind = d.get("cost", {}).get("kind")
         cost: StepCost
         if kind == "linear":
