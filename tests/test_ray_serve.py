@@ -347,8 +347,11 @@ def test_the_rayservice_application_under_serve_run(ray_cluster: LocalRayCluster
     config["http_options"] = {"host": "127.0.0.1", "port": port}
     (folder / "serve.yaml").write_text(yaml.safe_dump(config))
     log = folder / "serve-run.log"
-    cmd = [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", "--address",
-           ray_cluster.address, str(folder / "serve.yaml")]
+    # SIGINT is what makes `serve run` shut the application down; a child inherits an ignored SIGINT (pytest run
+    # as a background job of a shell), and Python then installs no KeyboardInterrupt handler: `serve run` sat out
+    # stop_process_group's 60 s before its SIGKILL. So the handler is set here whatever was inherited.
+    cmd = [sys.executable, "-c", "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           "from ray.serve.scripts import cli; cli()", "run", "--address", ray_cluster.address, str(folder / "serve.yaml")]
     with log.open("ab") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=f, env=ray_cluster.env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
