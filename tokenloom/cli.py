@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--gil-switch-interval", type=_positive_seconds, default=None, metavar="SECONDS",
                      help="Python's thread switch interval in the server (default: Python's own, 0.005): how long the "
                           "engine thread can wait for the GIL while the event loop streams tokens; 0.0005 served 64 "
-                          "streams 1.12x faster (docs/performance-notes.md)")
+                          "streams 1.12x faster one day and 0.91x another (docs/performance-notes.md)")
     srv.add_argument("--graceful-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     srv.add_argument("--max-request-bytes", type=int, default=8 << 20,

@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -58,11 +59,15 @@ struct X {
   int64_t Kp, G;
 };
 
-// Scratch per thread (the parallel_for workers and the caller each keep theirs).
+// Scratch per thread (the parallel_for workers and the caller each keep theirs), 64-byte aligned: the
+// microkernel reads the tiles in 64-byte loads, which span two cache lines wherever std::vector's 16-byte
+// alignment put a buffer off a line (docs/performance-notes.md#quantized-batching).
 template <typename T>
 T* scratch(std::vector<T>& buf, int64_t n) {
-  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
-  return buf.data();
+  constexpr int64_t pad = 64 / sizeof(T);
+  if (static_cast<int64_t>(buf.size()) < n + pad) buf.resize(n + pad);
+  const auto at = reinterpret_cast<std::uintptr_t>(buf.data());
+  return reinterpret_cast<T*>((at + 63) & ~std::uintptr_t{63});
 }
 
 // Ask for `bytes` from p into L2: the next tile's weight, while this tile's rows are computed (a tile's
