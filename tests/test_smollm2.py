@@ -86,17 +86,25 @@ SPEC_PROMPTS = [
 ]
 
 
+SPEC_PARAMS = SamplingParams(temperature=0, max_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def spec_want(ours: LLM) -> list[list[int]]:
+    """The greedy answers to SPEC_PROMPTS without speculation, computed once for both methods."""
+    return [o.outputs[0].token_ids for o in ours.chat([[{"role": "user", "content": p}] for p in SPEC_PROMPTS],
+                                                       SPEC_PARAMS)]
+
+
 @pytest.mark.parametrize("method", ["ngram", "self"])
-def test_speculative_greedy_outputs_identical(ours: LLM, smollm2_gguf: Path, method: str) -> None:
+def test_speculative_greedy_outputs_identical(spec_want: list[list[int]], smollm2_gguf: Path, method: str) -> None:
     """Many prompts on the real model: speculation changes how many target passes run, never the tokens."""
     extra = {"ngram": {}, "self": {"draft_layers": 20}}[method]
     spec = LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory="256MiB", max_model_len=1024,
                speculative=method, num_speculative_tokens=4, **extra)
-    sp = SamplingParams(temperature=0, max_tokens=48)
     msgs = [[{"role": "user", "content": p}] for p in SPEC_PROMPTS]
-    want = [o.outputs[0].token_ids for o in ours.chat(msgs, sp)]
-    got = [o.outputs[0].token_ids for o in spec.chat(msgs, sp)]
-    assert got == want
+    got = [o.outputs[0].token_ids for o in spec.chat(msgs, SPEC_PARAMS)]
+    assert got == spec_want
     s = spec.stats()
     assert s["spec_decode_accepted_tokens"] > 0 and s["spec_decode_mean_accepted_length"] > 1.0
 
