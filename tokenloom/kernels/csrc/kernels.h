@@ -28,6 +28,18 @@ static_assert(kSkinnyMaxRows >= 1 && kPackedMaxRows >= 2, "row limits");
 static_assert(kQuantChunk == 64, "the quantized kernels load a chunk of int8 codes as one 512-bit vector");
 static_assert(kInt4Block == 16, "an int4 block of output channels is vpdpbusd's 16 int32 lanes");
 
+// Scratch that lives as long as the calling thread (a decode step calls the quantized kernels ~120 times,
+// and two tensor allocations per call cost as much as a permute of x), 64-byte aligned: the kernels read it
+// in 64-byte loads, which span two cache lines wherever std::vector's 16-byte alignment put a buffer off a
+// line (docs/performance-notes.md#quantized-batching).
+template <typename T>
+T* scratch(std::vector<T>& buf, int64_t n) {
+  constexpr int64_t pad = 64 / sizeof(T);
+  if (static_cast<int64_t>(buf.size()) < n + pad) buf.resize(n + pad);
+  const auto at = reinterpret_cast<std::uintptr_t>(buf.data());
+  return reinterpret_cast<T*>((at + 63) & ~std::uintptr_t{63});
+}
+
 // The few-row kernels are compiled once per row count: calls f.template operator()<R>() with R = rows,
 // for rows in 1..kSkinnyMaxRows (the caller checks the bound; any other count runs as kSkinnyMaxRows).
 template <typename F, int... R>

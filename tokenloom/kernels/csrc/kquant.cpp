@@ -596,12 +596,6 @@ at::Tensor tile_kquant(int64_t qtype, const at::Tensor& x, const uint8_t* blocks
 
 #endif  // TOKENLOOM_KQ_VNNI
 
-template <typename T>
-T* scratch(std::vector<T>& buf, int64_t n) {
-  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
-  return buf.data();
-}
-
 // The vnni route's first row count served by the tiles rather than the few-row kernels. The few-row
 // kernels' float work is per 64 inputs per row of x and of W (vpmulld, conversion, FMA for each vpdpbusd),
 // the tiles' per 32 inputs per row of x and 16 of W, but the tiles pay a decode and 16 x 16 transpose per

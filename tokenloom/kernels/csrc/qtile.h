@@ -21,12 +21,12 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include "avx512.h"
 #include "dtype.h"
+#include "kernels.h"  // scratch: per-thread buffers (the parallel_for workers and the caller each keep theirs)
 
 namespace qtile {
 
@@ -58,17 +58,6 @@ struct X {
   const int32_t* xz; // (M, Kp / 16): -zcode * sum of xq over each 16 inputs (integer sub-scales only)
   int64_t Kp, G;
 };
-
-// Scratch per thread (the parallel_for workers and the caller each keep theirs), 64-byte aligned: the
-// microkernel reads the tiles in 64-byte loads, which span two cache lines wherever std::vector's 16-byte
-// alignment put a buffer off a line (docs/performance-notes.md#quantized-batching).
-template <typename T>
-T* scratch(std::vector<T>& buf, int64_t n) {
-  constexpr int64_t pad = 64 / sizeof(T);
-  if (static_cast<int64_t>(buf.size()) < n + pad) buf.resize(n + pad);
-  const auto at = reinterpret_cast<std::uintptr_t>(buf.data());
-  return reinterpret_cast<T*>((at + 63) & ~std::uintptr_t{63});
-}
 
 // Ask for `bytes` from p into L2: the next tile's weight, while this tile's rows are computed (a tile's
 // 16 rows of codes are 16 streams, more than the hardware prefetchers follow).

@@ -74,14 +74,6 @@ inline float half_to_float(at::Half h) { return _cvtsh_ss(h.x); }
 inline __m512 bf16_lo_to_ps(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16)); }
 inline __m512 bf16_hi_to_ps(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16)); }
 
-// Scratch that lives as long as the calling thread: a decode step calls this ~120 times, and two
-// tensor allocations per call cost as much as the permute itself.
-template <typename T>
-T* scratch(std::vector<T>& buf, int64_t n) {
-  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
-  return buf.data();
-}
-
 // --- int8, few rows ---------------------------------------------------------------------------------
 
 enum Mode { kPerRow = 0, kPairs = 1, kGroups = 2 };  // one scale per row | g == 32 | g = 64, 128, 256
