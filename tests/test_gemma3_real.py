@@ -8,8 +8,10 @@ parity test below runs on chat prompts), so its "Paris" is asked for as a comple
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import gguf as gguf_py
 import pytest
 import torch
 import transformers
@@ -54,12 +56,37 @@ def ours(gguf: Path) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def reference(gguf: Path) -> transformers.PreTrainedModel:
+def one_gguf_parse() -> Iterator[None]:
+    """transformers parses the file with gguf-py's reader once for the config, once for the weights and once
+    for the tokenizer, ~15 s each on these CPUs (a 262k-entry vocabulary read element by element through a
+    memmap). The reader is read-only after construction, so one parse per file serves all three."""
+    real = gguf_py.GGUFReader
+    parsed: dict[tuple[str, str], gguf_py.GGUFReader] = {}
+
+    def reader(path: str | Path, mode: str = "r") -> gguf_py.GGUFReader:
+        key = (str(path), mode)
+        if key not in parsed:
+            parsed[key] = real(path, mode)
+        return parsed[key]
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(gguf_py, "GGUFReader", reader)  # transformers imports it from `gguf` at call time
+    yield
+    patch.undo()
+
+
+@pytest.fixture(scope="module")
+def reference(gguf: Path, one_gguf_parse: None) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
 
 
-def test_tokenizer_ids_match_transformers(ours: LLM, gguf: Path) -> None:
-    ref = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+@pytest.fixture(scope="module")
+def reference_tokenizer(gguf: Path, one_gguf_parse: None) -> transformers.PreTrainedTokenizerBase:
+    return transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def test_tokenizer_ids_match_transformers(ours: LLM, reference_tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+    ref = reference_tokenizer
     assert len(STRINGS) >= 30
     for s in STRINGS:
         assert ours.tokenizer.encode(s) == ref.encode(s), s
