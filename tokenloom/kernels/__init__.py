@@ -8,8 +8,9 @@ csrc/gemma_stack.cpp for Gemma; engine/fused_decode.py).
 Each has a pure-torch twin (models/layers.py, attention/sdpa.py, attention/paged_kv.py, quant/linear.py,
 quant/kquant.py, the Python model) that is the test oracle and the path on CUDA.
 
-All sources build into one module: the first load compiles (about two minutes on 2 cores) into torch's
-extension cache; later loads take milliseconds. When no compiler is available the loader returns None
+All sources build into one module: the first load compiles (under two minutes on 2 cores) into torch's
+extension cache; later loads take milliseconds. Only bindings.cpp and the two stacks (pybind11 classes)
+include torch/extension.h; the rest include torch/types.h, a third of its compile time per file. When no compiler is available the loader returns None
 and callers use the torch path. The numbers both sides rely on (row limits, code layout) come from
 limits.py, passed to the compiler as -D flags; the build is named after them and after a hash of the
 csrc/ files and the compiler flags, so two checkouts with different sources never share a build folder,

@@ -1,4 +1,6 @@
 // Python bindings of the CPU kernels (one extension module, tokenloom_cpu_kernels).
+#include <torch/extension.h>  // pybind11: only this file needs it
+
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

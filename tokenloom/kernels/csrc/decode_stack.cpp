@@ -13,6 +13,8 @@
 //   a = paged_decode(q, cache, tables)      h, res = add_rms_norm(o_proj(a), res)
 //   x = down(silu_and_mul(gate_up(h)))
 // and after the last layer the final norm: the hidden states the Python model returns.
+#include <torch/extension.h>  // pybind11 classes (the stack objects Python holds)
+
 #include <tuple>
 #include <vector>
 

@@ -4,7 +4,7 @@
 // Each reproduces the torch reference in models/layers.py operation by operation, rounding every
 // intermediate the reference stores to the tensor dtype, so bfloat16 results match it bit for bit
 // in the common case (float32 accumulation order may differ in the last place).
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h (pybind11, torch::nn): ~3x the compile time per file
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -15,6 +15,8 @@
 //   h = norm_post_attn(o(a));   h, res = norm_pre_ff(h + res);   x = norm_post_ff(down(gelu_tanh(gate) * up))
 // and after the last layer the final norm of x + res. Every norm scales by (1 + w) in float32
 // (scaled_rms_norm). The embeddings (times sqrt(hidden)) and the RoPE tables are looked up in Python.
+#include <torch/extension.h>  // pybind11 classes (the stack objects Python holds)
+
 #include <tuple>
 #include <vector>
 

@@ -2,13 +2,15 @@
 // stack (decode_stack.cpp) calls them directly, and each defining file includes this header so the
 // compiler checks its definitions against these declarations.
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h (pybind11, torch::nn): ~3x the compile time per file
 
 #include <cstdint>
 #include <string>
 #include <vector>
 #include <tuple>
 #include <utility>
+
+namespace pybind11 { class module_; }  // the bind_* declarations below; only bindings.cpp and the stacks include pybind11
 
 // The numbers Python relies on too are defined once, in tokenloom/kernels/limits.py, and reach this
 // build as -DTOKENLOOM_<NAME>=<value> flags (tokenloom/kernels/__init__.py).

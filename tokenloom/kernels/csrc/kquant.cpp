@@ -41,7 +41,7 @@
 //     CPU has AVX512-VNNI (as compiled: -march=native, i.e. the build machine's features, whatever its
 //     vendor), else 2 where it has AVX512-BW/DQ/VL and F16C,
 //     else 3.
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h (pybind11, torch::nn): ~3x the compile time per file
 #include <ATen/Parallel.h>
 
 #include <algorithm>

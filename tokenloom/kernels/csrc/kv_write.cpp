@@ -7,7 +7,7 @@
 // It also returns what the cache now holds (codes * scale in x's dtype), which prefill chunks attend
 // over. Bit-identical to paged_kv.quantize_kv / dequantize_kv (the oracle): the same float32 operations
 // in the same order, no fast-math.
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h (pybind11, torch::nn): ~3x the compile time per file
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -20,7 +20,7 @@
 // kernel reduced every q . k horizontally, a dozen shuffles per token and query head, and at 64
 // sequences attention took half of each decode step; the fast ones dot four tokens at once and reduce
 // them together.
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h (pybind11, torch::nn): ~3x the compile time per file
 #include <ATen/Parallel.h>
 
 #include <algorithm>

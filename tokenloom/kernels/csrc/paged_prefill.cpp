@@ -25,7 +25,7 @@
 //
 // float32 FMAs rather than vdpbf16ps: the K tile is shared by kQTile * G rows, so the dot products are a
 // small GEMM whose operands sit in L1 either way; the transposed float32 tile needs no horizontal sums.
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h (pybind11, torch::nn): ~3x the compile time per file
 #include <ATen/Parallel.h>
 
 #include <algorithm>

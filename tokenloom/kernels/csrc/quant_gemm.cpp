@@ -30,7 +30,7 @@
 //     AMX where the CPU has it), which outruns the VNNI tiles once enough rows pay for the expansion.
 // quant_tile_max_rows() starts from a default for the build's CPU features (see its definition); the engine
 // sets it at start-up from a measurement of both routes (tokenloom/quant/routing.py), which it logs.
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h (pybind11, torch::nn): ~3x the compile time per file
 #include <ATen/Parallel.h>
 
 #include <algorithm>
