@@ -128,6 +128,30 @@ def assert_matches_reference(outs: list, ref_ids: list[list[int]], ref_logprobs:
         assert abs(first.logprob - float(lp[first.token_id])) < atol
 
 
+@pytest.fixture(scope="module")
+def one_gguf_parse() -> Iterator[None]:
+    """For a module whose transformers references load real GGUF files: transformers parses a file with
+    gguf-py's reader once for the config, once for the weights and once for the tokenizer, and a parse of
+    a large vocabulary is slow (Gemma 3's 262k entries, read element by element through a memmap: ~15 s
+    on these CPUs). The reader is read-only after construction, so one parse per path serves all three.
+    Module-scoped: a later module may write another file at a path seen here."""
+    import gguf
+
+    real = gguf.GGUFReader
+    parsed: dict[tuple[str, str], object] = {}
+
+    def reader(path: "str | Path", mode: str = "r") -> object:
+        key = (str(path), mode)
+        if key not in parsed:
+            parsed[key] = real(path, mode)
+        return parsed[key]
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(gguf, "GGUFReader", reader)  # transformers imports it from `gguf` at call time
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

@@ -8,10 +8,8 @@ parity test below runs on chat prompts), so its "Paris" is asked for as a comple
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-import gguf as gguf_py
 import pytest
 import torch
 import transformers
@@ -53,26 +51,6 @@ def gguf() -> Path:
 @pytest.fixture(scope="module")
 def ours(gguf: Path) -> LLM:
     return LLM(str(gguf), dtype="float32", gguf_weights="dequantize", kv_cache_memory="128MiB", max_model_len=1024)
-
-
-@pytest.fixture(scope="module")
-def one_gguf_parse() -> Iterator[None]:
-    """transformers parses the file with gguf-py's reader once for the config, once for the weights and once
-    for the tokenizer, ~15 s each on these CPUs (a 262k-entry vocabulary read element by element through a
-    memmap). The reader is read-only after construction, so one parse per file serves all three."""
-    real = gguf_py.GGUFReader
-    parsed: dict[tuple[str, str], gguf_py.GGUFReader] = {}
-
-    def reader(path: str | Path, mode: str = "r") -> gguf_py.GGUFReader:
-        key = (str(path), mode)
-        if key not in parsed:
-            parsed[key] = real(path, mode)
-        return parsed[key]
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(gguf_py, "GGUFReader", reader)  # transformers imports it from `gguf` at call time
-    yield
-    patch.undo()
 
 
 @pytest.fixture(scope="module")

@@ -114,7 +114,7 @@ def smol(smol_path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeniz
 
 
 @pytest.fixture(scope="module")
-def hf_smol_state_dict(smol_path: Path) -> dict[str, torch.Tensor]:
+def hf_smol_state_dict(smol_path: Path, one_gguf_parse: None) -> dict[str, torch.Tensor]:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         smol_path.parent, gguf_file=smol_path.name, dtype=torch.float32
     )
@@ -122,7 +122,7 @@ def hf_smol_state_dict(smol_path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def hf_smol_tokenizer(smol_path: Path) -> Any:
+def hf_smol_tokenizer(smol_path: Path, one_gguf_parse: None) -> Any:
     return transformers.AutoTokenizer.from_pretrained(smol_path.parent, gguf_file=smol_path.name)
 
 
