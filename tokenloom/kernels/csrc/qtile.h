@@ -9,7 +9,7 @@
 // vpdpbusd's int32 lane j accumulates channel j (no horizontal sums). Each format's `fill` decodes one
 // block of 16 rows of W into that tile once per call (int4: its blocks' nibbles split into bytes; int8 and
 // the K-quants: rows transposed 16 x 16 dwords at a time), into a buffer that stays in L1/L2 while all M
-// rows of x are dotted with it, 4 rows against 2 tiles per pass: each weight byte comes from memory once.
+// rows of x are dotted with it, 4 or 6 rows (rows_all) against 2 tiles per pass: each weight byte comes from memory once.
 //
 // x is quantized as the few-row kernels do (int8 per 32 inputs, dx = max |x| / 127) and the zero points
 // multiply dx times the sum of xq over their group, so y is exactly W dequantized times x quantized.
@@ -31,7 +31,8 @@
 namespace qtile {
 
 constexpr int64_t kCh = 16;   // output channels per tile: vpdpbusd's 16 int32 lanes
-constexpr int64_t kRows = 4;  // rows of x per microkernel call, against two tiles: up to 3 x 2 x 4 accumulators
+constexpr int64_t kRows = 4;       // rows of x per microkernel call, against two tiles: up to 3 x 2 x 4 accumulators
+constexpr int64_t kRowsShort = 6;  // the same for groups of 16 or 32 inputs: 2 x 2 x 6 (rows_all)
 
 struct Tile {
   const uint8_t* codes;  // (Kp / 4) steps of 4 inputs x 16 channels, 64 bytes each
@@ -297,12 +298,18 @@ static inline void rows_out(const Tile* t, const Out* o, const Shape& s, const X
 
 template <int CB, int SPAN, bool LONG>
 static inline void rows_all(const Tile* t, const Out* o, const Shape& s, const X& x, int64_t M, c10::BFloat16* y) {
+  // Groups of 16 or 32 inputs keep CB x R accumulators and as many int32 sums: 6 rows (24 of the 32
+  // registers with two tiles) reuse each weight load 6 times; the long-group and integer sub-scale paths
+  // keep a third set (gacc), which at 6 rows would spill, so they take 4.
+  constexpr int kR = (SPAN == 0 || LONG) ? kRows : kRowsShort;
   int64_t m0 = 0;
-  for (; m0 + kRows <= M; m0 += kRows) rows_out<kRows, CB, SPAN, LONG>(t, o, s, x, m0, y);
+  for (; m0 + kR <= M; m0 += kR) rows_out<kR, CB, SPAN, LONG>(t, o, s, x, m0, y);
   switch (M - m0) {
     case 1: rows_out<1, CB, SPAN, LONG>(t, o, s, x, m0, y); break;
     case 2: rows_out<2, CB, SPAN, LONG>(t, o, s, x, m0, y); break;
     case 3: rows_out<3, CB, SPAN, LONG>(t, o, s, x, m0, y); break;
+    case 4: if constexpr (kR > 4) rows_out<4, CB, SPAN, LONG>(t, o, s, x, m0, y); break;
+    case 5: if constexpr (kR > 5) rows_out<5, CB, SPAN, LONG>(t, o, s, x, m0, y); break;
     default: break;
   }
 }
