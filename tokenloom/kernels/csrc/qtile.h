@@ -9,7 +9,8 @@
 // vpdpbusd's int32 lane j accumulates channel j (no horizontal sums). Each format's `fill` decodes one
 // block of 16 rows of W into that tile once per call (int4: its blocks' nibbles split into bytes; int8 and
 // the K-quants: rows transposed 16 x 16 dwords at a time), into a buffer that stays in L1/L2 while all M
-// rows of x are dotted with it, 4 or 6 rows (rows_all) against 2 tiles per pass: each weight byte comes from memory once.
+// rows of x are dotted with it, 4 or 6 rows (rows_all) against 2 tiles per pass: each weight byte comes
+// from memory once.
 //
 // x is quantized as the few-row kernels do (int8 per 32 inputs, dx = max |x| / 127) and the zero points
 // multiply dx times the sum of xq over their group, so y is exactly W dequantized times x quantized.
