@@ -10,11 +10,12 @@ quant/kquant.py, the Python model) that is the test oracle and the path on CUDA.
 
 All sources build into one module: the first load compiles (under two minutes on 2 cores) into torch's
 extension cache; later loads take milliseconds. Only bindings.cpp and the two stacks (pybind11 classes)
-include torch/extension.h; the rest include torch/types.h, a third of its compile time per file. When no compiler is available the loader returns None
-and callers use the torch path. The numbers both sides rely on (row limits, code layout) come from
-limits.py, passed to the compiler as -D flags; the build is named after them and after a hash of the
-csrc/ files and the compiler flags, so two checkouts with different sources never share a build folder,
-and checkouts with the same sources share one (built from a copy of csrc/ in the build folder).
+include torch/extension.h; the rest include torch/types.h, a third of its compile time per file. When no
+compiler is available the loader returns None and callers use the torch path. The numbers both sides rely
+on (row limits, code layout) come from limits.py, passed to the compiler as -D flags; the build is named
+after them and after a hash of the csrc/ files and the compiler flags, so two checkouts with different
+sources never share a build folder, and checkouts with the same sources share one (built from a copy of
+csrc/ in the build folder).
 
 Builders serialize on an flock of their own (build_lock) with a bounded wait, logging while they wait.
 The kernel lock dies with its holder, so once it is held any torch `lock` file in the build folder was
