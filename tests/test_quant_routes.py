@@ -128,12 +128,24 @@ def test_calibration_keeps_each_route_fastest_call_through_a_burst() -> None:
     assert calls["a"] == 7 and a < 5.0 <= b
 
 
+def test_calibration_reaches_past_a_served_step() -> None:
+    """A served step's linears see up to --max-num-batched-tokens rows (a prompt's chunk beside the decode
+    rows). Counts past the largest measured go to the expansion unmeasured, so the default budget (and the
+    common larger ones, to 2048) must be among the counts timed."""
+    from tokenloom.config import EngineConfig
+
+    default_budget = EngineConfig.__dataclass_fields__["max_num_batched_tokens"].default
+    assert default_budget in routing.CALIBRATION_ROWS and max(routing.CALIBRATION_ROWS) >= 2048
+    assert list(routing.CALIBRATION_ROWS) == sorted(routing.CALIBRATION_ROWS)
+
+
 @pytest.mark.usefixtures("restore_tile_max_rows")
 def test_calibration_times_both_routes_and_sets_the_kernel() -> None:
     r = routing.calibrate(KERNELS, rows=(16, 32), reps=2)
     assert [m for m, _, _ in r.timings] == [16, 32] and all(a > 0 and b > 0 for _, a, b in r.timings)
     assert r.tile_max_rows == routing.crossover(r.timings) == KERNELS.quant_tile_max_rows()
     assert r.source == "measured" and "measured" in r.describe() and "16 rows" in r.describe()
+    assert f"up to {r.tile_max_rows} rows, W expanded to bf16 for oneDNN beyond" in r.describe()
 
 
 @pytest.mark.usefixtures("restore_tile_max_rows")

@@ -5,8 +5,12 @@ few-row kernels, then kernels/csrc/qtile.h's cache-resident tiles), reading each
 once per call; beyond it they expand the weight to bf16 and hand it to oneDNN, which pays a bf16 copy of
 the weight per call but runs AMX where the CPU has it. Where the two cross depends on the CPU (AMX or
 not, core count, cache and memory speed), not on its vendor, so the engine measures it at start-up
-(`calibrate`): both routes on one synthetic layer at row counts 16 to 256, the tiles kept up to the
-largest count below which they win at every count measured. `--quant-tile-max-rows N` sets it instead.
+(`calibrate`): both routes on one synthetic layer at row counts 16 to 2048, the tiles kept up to the
+largest count below which they win at every count measured. The counts reach past the engine's default
+step budget (512 tokens, the prefill chunk of a served step) to 2048: served at 64 users, a step holding
+a 512-token chunk of arriving prompts ran 532 ms through the expansion against 409 ms through the tiles
+(Q4_1 SmolLM2, Zen 4), when the measurement stopped at 256 rows and sent every larger call to the
+expansion. `--quant-tile-max-rows N` sets it instead.
 The kernel module holds the value for the whole process (quant_linear and kquant_linear, the fused
 decode stack included); it is logged with the timings behind it. The measurement is made once per process
 (`measured`): a process that builds several engines (tests, a benchmark sweep) sees the same choice.
@@ -24,11 +28,11 @@ from types import ModuleType
 import torch
 
 from tokenloom.errors import ConfigError
-from tokenloom.kernels.limits import PACKED_MAX_ROWS, SKINNY_MAX_ROWS
+from tokenloom.kernels.limits import SKINNY_MAX_ROWS
 
 log = logging.getLogger("tokenloom.quant")
 
-CALIBRATION_ROWS = (16, 32, 64, 128, 256)
+CALIBRATION_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 # The synthetic layer: int4 with groups of 32 (GGUF Q4_0/Q4_1's form, the default model's), 2048 x 1024:
 # 1 MiB of codes, past the L2 cache of the CPUs measured, as a model's layers are.
 _SHAPE = (2048, 1024)
@@ -43,8 +47,8 @@ class QuantRouting:
     timings: tuple[tuple[int, float, float], ...] = ()
 
     def describe(self) -> str:
-        beyond = ", W expanded to bf16 for oneDNN beyond" if self.tile_max_rows < PACKED_MAX_ROWS else ""
-        text = (f"quantized matmuls: int8-activation VNNI kernels up to {self.tile_max_rows} rows{beyond} "
+        text = (f"quantized matmuls: int8-activation VNNI kernels up to {self.tile_max_rows} rows, W expanded "
+                f"to bf16 for oneDNN beyond "
                 f"({self.source}; CPU AMX: {'yes' if self.amx else 'no'})")
         if self.timings:
             text += "; tiles vs expand ms at " + ", ".join(f"{m} rows {a:.2f}/{b:.2f}" for m, a, b in self.timings)
@@ -89,7 +93,7 @@ def fastest_ms(fns: Sequence[Callable[[], object]], reps: int) -> list[float]:
 
 
 def calibrate(kernels: ModuleType, rows: Sequence[int] = CALIBRATION_ROWS, reps: int = 7) -> QuantRouting:
-    """Time both routes on the synthetic layer, set the crossover in `kernels`; about 0.1-0.3 s."""
+    """Time both routes on the synthetic layer, set the crossover in `kernels`; under a second."""
     from tokenloom.quant.linear import Int4Linear
     from tokenloom.quant.quantizers import quantize_int4
 
