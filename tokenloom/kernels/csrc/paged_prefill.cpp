@@ -356,9 +356,11 @@ void tile_avx512(const scalar_t* qp, const cache_t* kp, const cache_t* vp, const
       };
       if constexpr (kPairs) {
         for (int64_t j = 0; j < nk; j += 2) {
-          const __m512 p0 = p_of(j), p1 = j + 1 < nk ? p_of(j + 1) : _mm512_setzero_ps();
-          sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-          _mm512_store_si512(w.pT2 + (j / 2) * kTileRows + 16 * v, pair_bf16(p0, p1));
+          const __m512i pp = pair_bf16(p_of(j), j + 1 < nk ? p_of(j + 1) : _mm512_setzero_ps());
+          _mm512_store_si512(w.pT2 + (j / 2) * kTileRows + 16 * v, pp);
+          // l sums the weights as rounded, so each row's weights sum to exactly 1 after the division.
+          sum = _mm512_add_ps(sum, _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(pp, 16)),
+                                                 _mm512_castsi512_ps(_mm512_and_si512(pp, _mm512_set1_epi32(-65536)))));
         }
       } else {
         for (int64_t j = 0; j < nk; ++j) {
