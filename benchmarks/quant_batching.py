@@ -74,6 +74,7 @@ def _tile_max(name: str) -> int | None:
 
 def _route(name: str) -> None:
     """Set the process-wide crossover this engine was built with (engines built later overwrote it)."""
+    from tokenloom.config import EngineConfig
     from tokenloom.kernels import load_cpu_kernels
     from tokenloom.quant.routing import measured
 
@@ -81,7 +82,8 @@ def _route(name: str) -> None:
     if kernels is None or name == "bf16":
         return
     rows = _tile_max(name)
-    kernels.set_quant_tile_max_rows(rows if rows is not None else measured(kernels).tile_max_rows)
+    budget = EngineConfig.__dataclass_fields__["max_num_batched_tokens"].default  # the engines' (default) budget
+    kernels.set_quant_tile_max_rows(rows if rows is not None else measured(kernels, budget).tile_max_rows)
 
 
 if __name__ == "__main__":

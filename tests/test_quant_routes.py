@@ -128,15 +128,18 @@ def test_calibration_keeps_each_route_fastest_call_through_a_burst() -> None:
     assert calls["a"] == 7 and a < 5.0 <= b
 
 
-def test_calibration_reaches_past_a_served_step() -> None:
+def test_calibration_reaches_a_served_step() -> None:
     """A served step's linears see up to --max-num-batched-tokens rows (a prompt's chunk beside the decode
-    rows). Counts past the largest measured go to the expansion unmeasured, so the default budget (and the
-    common larger ones, to 2048) must be among the counts timed."""
+    rows). Counts past the largest measured go to the expansion unmeasured, so the counts timed must reach
+    the budget (the default 512 among them), and stop there (each larger count costs start-up time)."""
     from tokenloom.config import EngineConfig
 
     default_budget = EngineConfig.__dataclass_fields__["max_num_batched_tokens"].default
-    assert default_budget in routing.CALIBRATION_ROWS and max(routing.CALIBRATION_ROWS) >= 2048
     assert list(routing.CALIBRATION_ROWS) == sorted(routing.CALIBRATION_ROWS)
+    assert routing.calibration_rows(default_budget) == tuple(r for r in routing.CALIBRATION_ROWS if r <= 512)
+    assert routing.calibration_rows(600)[-2:] == (512, 1024)  # the first count covering 600 rows
+    assert routing.calibration_rows(16) == (16,) and routing.calibration_rows(1) == (16,)
+    assert routing.calibration_rows(2048) == routing.calibration_rows(10**6) == routing.CALIBRATION_ROWS
 
 
 @pytest.mark.usefixtures("restore_tile_max_rows")

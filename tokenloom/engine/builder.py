@@ -140,7 +140,7 @@ def _attach_cpu_kernels(config: EngineConfig, loaded: LoadedModel, backend: Atte
         dense = choose_dense_routing(backend.kernels)  # where the skinny kernel hands 2..8 rows to the packed copies
     if hasattr(backend.kernels, "set_quant_tile_max_rows") and any(
             isinstance(m, (QuantLinear, KQuantLinear)) for m in loaded.model.modules()):
-        return choose_quant_routing(backend.kernels, config.quant_tile_max_rows), dense
+        return choose_quant_routing(backend.kernels, config.quant_tile_max_rows, config.max_num_batched_tokens), dense
     return None, dense
 
 

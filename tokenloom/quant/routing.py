@@ -5,15 +5,17 @@ few-row kernels, then kernels/csrc/qtile.h's cache-resident tiles), reading each
 once per call; beyond it they expand the weight to bf16 and hand it to oneDNN, which pays a bf16 copy of
 the weight per call but runs AMX where the CPU has it. Where the two cross depends on the CPU (AMX or
 not, core count, cache and memory speed), not on its vendor, so the engine measures it at start-up
-(`calibrate`): both routes on one synthetic layer at row counts 16 to 2048, the tiles kept up to the
-largest count below which they win at every count measured. The counts reach past the engine's default
-step budget (512 tokens, the prefill chunk of a served step) to 2048: served at 64 users, a step holding
-a 512-token chunk of arriving prompts ran 532 ms through the expansion against 409 ms through the tiles
-(Q4_1 SmolLM2, Zen 4), when the measurement stopped at 256 rows and sent every larger call to the
-expansion. `--quant-tile-max-rows N` sets it instead.
+(`calibrate`): both routes on one synthetic layer at row counts from 16 up to the engine's step budget
+(--max-num-batched-tokens: no linear of a step sees more rows), the tiles kept up to the largest count
+below which they win at every count measured. The counts must reach the budget: served at 64 users, a
+step holding a 512-token chunk of arriving prompts ran 532 ms through the expansion against 409 ms through
+the tiles (Q4_1 SmolLM2, Zen 4), when the measurement stopped at 256 rows and sent every larger call to
+the expansion; and need not go past it (at the default 512, the 1,024 and 2,048-row calls took ~0.5 s of
+start-up). `--quant-tile-max-rows N` sets it instead.
 The kernel module holds the value for the whole process (quant_linear and kquant_linear, the fused
 decode stack included); it is logged with the timings behind it. The measurement is made once per process
-(`measured`): a process that builds several engines (tests, a benchmark sweep) sees the same choice.
+and budget (`measured`): a process that builds several engines (tests, a benchmark sweep) sees the same
+choice for the same budget.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from tokenloom.kernels.limits import SKINNY_MAX_ROWS
 
 log = logging.getLogger("tokenloom.quant")
 
-CALIBRATION_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+CALIBRATION_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # the counts timed, up to a step's budget
 # The synthetic layer: int4 with groups of 32 (GGUF Q4_0/Q4_1's form, the default model's), 2048 x 1024:
 # 1 MiB of codes, past the L2 cache of the CPUs measured, as a model's layers are.
 _SHAPE = (2048, 1024)
@@ -112,16 +114,24 @@ def calibrate(kernels: ModuleType, rows: Sequence[int] = CALIBRATION_ROWS, reps:
     return routing
 
 
+def calibration_rows(max_rows: int) -> tuple[int, ...]:
+    """The counts of CALIBRATION_ROWS up to the first that covers a step of `max_rows` rows (all of them
+    for budgets past the largest: calls beyond it take the expansion, unmeasured)."""
+    covered = [r for r in CALIBRATION_ROWS if r < max_rows]
+    return tuple(covered + [r for r in CALIBRATION_ROWS if r >= max_rows][:1])
+
+
 @functools.cache
-def measured(kernels: ModuleType) -> QuantRouting:
-    """`calibrate` once per process and kernel module."""
-    return calibrate(kernels)
+def measured(kernels: ModuleType, max_rows: int) -> QuantRouting:
+    """`calibrate` once per process, kernel module and step budget."""
+    return calibrate(kernels, calibration_rows(max_rows))
 
 
-def choose(kernels: ModuleType, tile_max_rows: int | None) -> QuantRouting:
-    """Set the crossover: `tile_max_rows` as given (--quant-tile-max-rows), else measured; logged."""
+def choose(kernels: ModuleType, tile_max_rows: int | None, max_rows: int) -> QuantRouting:
+    """Set the crossover: `tile_max_rows` as given (--quant-tile-max-rows), else measured up to a step of
+    `max_rows` rows (the engine's --max-num-batched-tokens); logged."""
     if tile_max_rows is None:
-        routing = measured(kernels)
+        routing = measured(kernels, max_rows)
         kernels.set_quant_tile_max_rows(routing.tile_max_rows)
     else:
         if tile_max_rows < SKINNY_MAX_ROWS:
