@@ -11,7 +11,7 @@ import torch
 from conftest import assert_matches_reference, hf_greedy_ids
 from tokenloom import LLM, SamplingParams
 from tokenloom.attention.base import AttentionMetadata
-from tokenloom.attention.cpu import CPUBackend, fresh_chunks_faster_in_kernel
+from tokenloom.attention.cpu import CPUBackend
 from tokenloom.attention.paged_kv import LayerKVCache
 from tokenloom.attention.reference import ReferenceBackend
 from tokenloom.config import KVCacheFormat
@@ -95,35 +95,13 @@ def test_kernel_matches_reference(fmt: KVCacheFormat, dtype: torch.dtype, hq: in
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("fresh_chunks", [False, True])
 @pytest.mark.parametrize("window", [None, 40])
-def test_backend_forward_routes_chunks_through_the_kernel(window: int | None, fresh_chunks: bool) -> None:
-    """The CPU backend's whole forward (decode rows, short and long chunks in one step) as the reference,
-    with the fresh chunk (no prefix) through SDPA or through the kernel."""
+def test_backend_forward_routes_chunks_through_the_kernel(window: int | None) -> None:
+    """The CPU backend's whole forward (decode rows, short and long chunks in one step) as the reference."""
     kv_ref, kv_fast, meta, q, k, v = _random_step(KVCacheFormat.MODEL_DTYPE, torch.bfloat16, 9, 3, 64, seed=5)
     want = ReferenceBackend().forward(q, k, v, kv_ref, meta, 0.125, window)
-    backend = CPUBackend(kernels, fresh_chunks=fresh_chunks)
-    plan = meta.plan_for(backend, q.device, window)
-    fresh = [p for p in plan.prefills if p.blocks is None and p.mask is None]
-    assert len(fresh) == (0 if window else 1)  # CHUNKS' (0, 45): a fresh prompt unless a window masks it
-    assert all(backend.uses_kernel(p, None, fresh_ok=fresh_chunks) == fresh_chunks for p in fresh)
-    meta.plans.clear()
-    got = backend.forward(q, k, v, kv_fast, meta, 0.125, window)
+    got = CPUBackend(kernels).forward(q, k, v, kv_fast, meta, 0.125, window)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-
-
-def test_fresh_chunk_route_is_measured_and_logged(caplog: pytest.LogCaptureFixture) -> None:
-    """Start-up times a fresh bf16 chunk through both paths on this CPU (once per process) and logs the
-    choice; a backend built without an explicit choice takes it."""
-    fresh_chunks_faster_in_kernel.cache_clear()
-    with caplog.at_level("INFO", logger="tokenloom.attention"):
-        faster = fresh_chunks_faster_in_kernel(kernels)
-    assert CPUBackend(kernels).fresh_chunks == faster
-    if kernels.paged_prefill_bf16_route():
-        line = next(r.getMessage() for r in caplog.records if "fresh bf16 chunks" in r.getMessage())
-        assert ("through the paged kernel" if faster else "through SDPA") in line and "ms" in line
-    else:
-        assert not faster  # no bf16 route: fresh chunks stay on SDPA
 
 
 def test_bad_chunk_is_a_clear_error() -> None:

@@ -10,9 +10,6 @@ once per chunk: a 4,000-token prompt in 512-token chunks copied (and masked) its
 
 from __future__ import annotations
 
-import functools
-import logging
-import time
 from types import ModuleType
 
 import torch
@@ -21,77 +18,33 @@ from tokenloom.attention.paged_kv import LayerKVCache
 from tokenloom.attention.base import AttentionMetadata
 from tokenloom.attention.sdpa import DecodePlan, PrefillChunk, SDPABackend
 
-log = logging.getLogger("tokenloom.attention")
-
-# The start-up probe of fresh chunks: (tokens, query heads, KV heads, head size): a served step's 512-token
-# chunk of SmolLM2's attention (the default model), bf16.
-FRESH_PROBE = (512, 9, 3, 64)
-_KERNEL_HEAD_SIZES = (64, 128, 256)  # the kernel's vectorised head sizes (the bf16 route among them)
-
-
-@functools.cache
-def fresh_chunks_faster_in_kernel(kernels: ModuleType) -> bool:
-    """Whether a fresh bf16 chunk (no cached prefix) runs faster through the paged kernel's vdpbf16ps route
-    than through SDPA's causal flash kernel on this CPU: both timed once per process on FRESH_PROBE (fastest
-    of 3 calls each, alternating), the choice and the timings logged. Measured rather than assumed: SDPA's
-    bf16 GEMMs are oneDNN's, which run AMX tiles where the CPU has them; on a 2-core Zen 4 (no AMX) the
-    kernel took 2.1 against 5.0 ms at 512 tokens and 30 against 42 ms at 2,048."""
-    if not kernels.paged_prefill_bf16_route():
-        return False
-    n, hq, hkv, d = FRESH_PROBE
-    bs = 16
-    blocks = (n + bs - 1) // bs
-    g = torch.Generator().manual_seed(0)
-    k_cache, v_cache = (torch.randn(blocks, bs, hkv, d, generator=g).bfloat16() for _ in range(2))
-    q = torch.randn(n, hq, d, generator=g).bfloat16()
-    table, lens, starts = torch.arange(blocks)[None], torch.tensor([n]), torch.tensor([0])
-    out = torch.empty_like(q)
-    qs = q.transpose(0, 1)[None]  # (1, Hq, n, D)
-    ks, vs = (c.reshape(-1, hkv, d)[:n].transpose(0, 1)[None] for c in (k_cache, v_cache))
-
-    def kernel() -> None:
-        kernels.paged_prefill(q, k_cache, v_cache, None, None, table, starts, lens, lens, d**-0.5, 0, out)
-
-    def sdpa() -> None:
-        torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-
-    best = {kernel: float("inf"), sdpa: float("inf")}
-    for _ in range(4):  # the first round warms both
-        for f in best:
-            t = time.perf_counter()
-            f()
-            best[f] = min(best[f], time.perf_counter() - t)
-    faster = best[kernel] < best[sdpa]
-    log.info("paged prefill: fresh bf16 chunks through %s (%d tokens, %d/%d heads of %d: kernel %.2f ms, SDPA "
-             "%.2f ms)", "the paged kernel" if faster else "SDPA", n, hq, hkv, d, best[kernel] * 1e3,
-             best[sdpa] * 1e3)
-    return faster
-
 
 class CPUBackend(SDPABackend):
     name = "cpu"
 
-    def __init__(self, kernels: ModuleType, paged_prefill: bool = True, fresh_chunks: bool | None = None) -> None:
+    def __init__(self, kernels: ModuleType, paged_prefill: bool = True) -> None:
         self.kernels = kernels
         # False: every prefill chunk through SDPA (the old path; benchmarks/long_prompt.py compares both).
         self.paged_prefill = paged_prefill
-        # Fresh bf16 chunks through the kernel too; None: as measured on this CPU at start-up.
-        self.fresh_chunks = fresh_chunks_faster_in_kernel(kernels) if fresh_chunks is None else fresh_chunks
 
-    def uses_kernel(self, p: PrefillChunk, softcap: float | None = None, fresh_ok: bool = False) -> bool:
+    def uses_kernel(self, p: PrefillChunk, softcap: float | None = None) -> bool:
         """The routing rule, measured (docs/benchmarks.md, "Long prompts: paged prefill attention"):
         - a chunk over a cached prefix, or under a sliding window, reads the cache in place through the
           kernel: SDPA had to gather (copy) the prefix and apply an explicit (q_len, ctx) mask, every
           layer, once per chunk (benchmarks/long_prompt.py: 1,000 and 4,000-token prompts in 512-token
-          chunks; the kernel's bf16 route took half SDPA's time for the last chunk of 1,000-4,000 tokens);
+          chunks; the kernel's bf16 route took under half SDPA's time for the last chunk of each);
         - a chunk that is its sequence's whole context with no window (a fresh prompt, or the first
-          chunk of one) takes the kernel where `fresh_ok` (a bf16 layer whose fresh chunks measured
-          faster there on this CPU: fresh_chunks_faster_in_kernel), else SDPA's causal flash kernel over
-          the fresh K/V (the float32 route lost to it at 2,048 fresh tokens);
+          chunk of one) stays on SDPA's causal flash kernel over the fresh K/V: there is nothing to
+          gather. The kernel's bf16 route measured faster there too (1.4 against 4.4 ms for 512 fresh
+          tokens, Zen 4), as accurate against a float32 reference (relative error 0.00176 against SDPA's
+          0.00180 per layer of SmolLM2) but not bit-equal, and the default model's greedy answers sit
+          on bf16 near-ties ("What is the capital of France?" starts with "The" / "L" 0.08 nats apart
+          in float32): the kernel's roundings tied them where SDPA's leave "The" ahead, so fresh prompts
+          keep SDPA's (docs/performance-notes.md, "Paged prefill attention");
         - a soft-capped layer's chunks (Gemma 2) all take the kernel, which caps the scores in its tiles:
           SDPA's fused kernel cannot, and its math path (sdpa.softcapped_attention) materialises every
           (q_len, ctx) score."""
-        return self.paged_prefill and (softcap is not None or p.blocks is not None or p.mask is not None or fresh_ok)
+        return self.paged_prefill and (softcap is not None or p.blocks is not None or p.mask is not None)
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKVCache, meta: AttentionMetadata,
@@ -99,11 +52,9 @@ class CPUBackend(SDPABackend):
     ) -> None:
         if q.device.type != "cpu":
             return super().prefill(q, k, v, kv, meta, plan, scale, sliding_window, out, softcap)
-        fresh_ok = (self.fresh_chunks and q.dtype == kv.k.dtype == torch.bfloat16
-                    and q.shape[-1] in _KERNEL_HEAD_SIZES)
-        chunks = [p for p in plan.prefills if self.uses_kernel(p, softcap, fresh_ok)]
+        chunks = [p for p in plan.prefills if self.uses_kernel(p, softcap)]
         for p in plan.prefills:
-            if not self.uses_kernel(p, softcap, fresh_ok):
+            if not self.uses_kernel(p, softcap):
                 self.prefill_chunk(q, k, v, kv, p, scale, out, softcap)
         if not chunks:
             return None

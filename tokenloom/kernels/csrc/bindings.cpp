@@ -15,8 +15,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged_decode", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
         py::arg("block_tables"), py::arg("q_starts"), py::arg("q_lens"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("sliding_window"), py::arg("out"), py::arg("softcap") = 0.0);
-  m.def("paged_prefill_bf16_route", &paged_prefill_bf16_route, "whether paged_prefill has its vdpbf16ps route "
-        "(bf16 queries and cache, head size 64, 128 or 256)");
   m.def("write_kv", &write_kv, "new K and V (T, Hkv, D) into their cache slots");
   m.def("write_kv_int8", &write_kv_int8, "new K and V quantized into an int8 cache with per-(token, head) float16 "
         "scales; returns the dequantized K and V");

@@ -72,8 +72,6 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                    const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
                    const at::Tensor& seq_lens, double scale, int64_t sliding_window, at::Tensor out,
                    double softcap);
-// Whether paged_prefill has its vdpbf16ps route (bf16 queries and cache, head size 64, 128 or 256).
-bool paged_prefill_bf16_route();
 // elementwise.cpp
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps);

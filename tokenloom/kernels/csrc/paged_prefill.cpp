@@ -636,11 +636,3 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                                             sliding_window, cap);
   });
 }
-
-bool paged_prefill_bf16_route() {
-#ifdef TOKENLOOM_PREFILL_BF16
-  return true;
-#else
-  return false;
-#endif
-}
