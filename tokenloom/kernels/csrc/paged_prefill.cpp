@@ -24,11 +24,13 @@
 //   a lane compare of each row's position against the key's. The output accumulates transposed, O^T (D, 64)
 //   += V^T . P^T. Both products are register-blocked 4 x 4 (four keys or four head dims by four vectors of
 //   16 rows: 16 accumulators, each loaded operand feeding four FMAs). Keys go by in blocks of kBlockKeys,
-//   each position's K/V row found through the block table and widened to float32 once for all 64 rows (an
-//   INT8 row times its scale, as paged_decode dequantizes).
+//   each position's K/V row found through the block table. Two routes: bf16 queries and cache (with
+//   AVX512-BF16) multiply bf16 pairs by vdpbf16ps, K read in place and V interleaved in pairs, P rounded to
+//   bf16 for the P.V product (as PyTorch's CPU flash kernel does); everything else widens the block's rows
+//   to float32 once for all 64 rows (an INT8 row times its scale, as paged_decode dequantizes) for FMAs.
 // - otherwise (no AVX-512, other head sizes): a portable loop over tiles of kQTile tokens, 16 keys at a time,
 //   one row's scores per 16-lane vector (the compiler vectorises the inner loops).
-// Scores, softmax and accumulation are float32 on both paths. The prefix is never copied: the SDPA path
+// Scores, softmax and accumulation are float32 on every path. The prefix is never copied: the SDPA path
 // gathered the whole context per chunk and layer, then masked it (attention/sdpa.py).
 #include <torch/types.h>  // not torch/extension.h (pybind11, torch::nn): ~3x the compile time per file
 #include <ATen/Parallel.h>
