@@ -44,7 +44,6 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#include "avx512.h"
 #define TOKENLOOM_PREFILL_AVX512 1
 #if defined(__AVX512BF16__)
 #define TOKENLOOM_PREFILL_BF16 1
