@@ -10,6 +10,7 @@ from tokenloom.attention.paged_kv import LayerKVCache
 from tokenloom.attention.reference import ReferenceBackend
 from tokenloom.config import KVCacheFormat
 from tokenloom.kernels import load_cpu_kernels
+from tokenloom.kernels.limits import SKINNY_MAX_ROWS
 from tokenloom.models.layers import RMSNorm, apply_rope
 
 K = load_cpu_kernels()
@@ -236,29 +237,42 @@ def test_paged_decode_rejects_int8_cache_without_scales() -> None:
                        torch.ones(1, dtype=torch.long), 0.125, 0)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+# Every row count is its own kernel (1-2 rows read weight rows one after another, 3-8 side by side in
+# blocks of 4, 3 or 2); 301 weight rows leave a partial block, in each thread's share too.
+@pytest.mark.parametrize("rows", range(1, SKINNY_MAX_ROWS + 1))
 @pytest.mark.parametrize("k_dim", [576, 100])  # a multiple of 32 (vector path) and one with a tail
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_linear_matches_float32_reference(rows: int, k_dim: int, bias: bool) -> None:
     torch.manual_seed(rows)
     x = torch.randn(rows, k_dim).bfloat16()
-    w = torch.randn(300, k_dim).bfloat16()
-    b = torch.randn(300).bfloat16() if bias else None
+    w = torch.randn(301, k_dim).bfloat16()
+    b = torch.randn(301).bfloat16() if bias else None
     want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())  # exact products
     got = K.skinny_linear(x, w, b)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 300)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 301)
     # Only the final rounding to bfloat16 (and float32 summation order) separate the two.
     torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=2e-2)
 
 
-def test_skinny_linear_rows_do_not_depend_on_batch() -> None:
-    """A token's result is the same whether it is alone (decode) or among 1 + k (verification)."""
+@pytest.mark.parametrize("k_dim", [576, 100])
+def test_skinny_linear_rows_do_not_depend_on_batch(k_dim: int) -> None:
+    """A token's result is the same whether it is alone (decode) or among 1 + k (verification), whichever
+    route its row count takes and however the weight rows are split between threads."""
     torch.manual_seed(5)
-    x = torch.randn(6, 576).bfloat16()
-    w = torch.randn(1000, 576).bfloat16()
-    together = K.skinny_linear(x, w, None)
-    for i in range(6):
-        assert torch.equal(K.skinny_linear(x[i : i + 1], w, None), together[i : i + 1])
+    x = torch.randn(SKINNY_MAX_ROWS, k_dim).bfloat16()
+    w = torch.randn(1001, k_dim).bfloat16()
+    b = torch.randn(1001).bfloat16()
+    together = K.skinny_linear(x, w, b)
+    for rows in range(1, SKINNY_MAX_ROWS):
+        assert torch.equal(K.skinny_linear(x[:rows], w, b), together[:rows])
+    for i in range(SKINNY_MAX_ROWS):
+        assert torch.equal(K.skinny_linear(x[i : i + 1], w, b), together[i : i + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(K.skinny_linear(x, w, b), together)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_skinny_linear_rejects_bad_shapes() -> None:

@@ -2,10 +2,10 @@
 //
 // With M <= kSkinnyMaxRows rows the product is bound by streaming w from memory, where oneDNN's bf16
 // GEMM falls short and ATen's GEMV serves M == 1 alone (docs/performance-notes.md#few-row-matmul).
-// Here each weight row is read once and dotted with all M rows of x (held in L1), with AVX512-BF16 dot
-// products (vdpbf16ps: bf16 pairs multiplied exactly, summed in float32) where the CPU has them, plain
-// float32 arithmetic otherwise. Every output row is computed the same way whatever M is, so a token's
-// result does not depend on how many tokens share its step.
+// Here each weight row is read once and dotted with all M rows of x, with AVX512-BF16 dot products
+// (vdpbf16ps: bf16 pairs multiplied exactly, summed in float32) where the CPU has them, plain float32
+// arithmetic otherwise. Every output is computed the same way whatever M is and whichever block of weight
+// rows it falls in, so a token's result does not depend on how many tokens share its step.
 #include <torch/types.h>  // not torch/extension.h (pybind11, torch::nn): ~3x the compile time per file
 #include <ATen/Parallel.h>
 
@@ -13,7 +13,7 @@
 #include <atomic>
 #include <cstring>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define TOKENLOOM_DPBF16 1
 #endif
@@ -23,43 +23,107 @@
 
 namespace {
 
-// out[m] = dot(x[m, :K], w[:K]) for m < M, float32 accumulation.
-template <int M>
-inline void dot_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t K, float* out) {
-  int64_t k = 0;
 #ifdef TOKENLOOM_DPBF16
-  // Two accumulators per row, fed alternately: one dot-product chain per row would wait on the
-  // instruction's latency at every step.
-  __m512 acc0[M], acc1[M];
-  for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
-  for (; k + 64 <= K; k += 64) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + k));
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + k + 32));
-    for (int m = 0; m < M; ++m) {
-      const c10::BFloat16* xr = x + m * ldx + k;
-      acc0[m] = _mm512_dpbf16_ps(acc0[m], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(xr)), w0);
-      acc1[m] = _mm512_dpbf16_ps(acc1[m], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(xr + 32)), w1);
+// How a block of weight rows is read. One accumulator chain per output (row of x, weight row), summed over
+// the 32-wide slices of K in order, then reduced four weight rows at a time by sum4: every output gets the
+// same arithmetic in either order, for every M, block and thread split.
+// - M <= 2: the block's rows one after another, x reloaded for each (cheap at 1-2 rows), so the weights
+//   stream sequentially, as the hardware prefetcher likes best.
+// - M >= 3: the block's rows side by side, each slice of x loaded once into registers for all of them;
+//   reloading x for every weight row made the kernel compute-bound from 3-4 rows on. Reading NB rows at
+//   once defeats the hardware prefetcher, so the kernel prefetches the memory ahead itself, in order.
+// docs/performance-notes.md#few-row-matmul has the measurements.
+template <int M>
+constexpr bool kSequential = M <= 2;
+// Weight rows per block: NB x M accumulators, the M slices of x and one weight vector fit the 32 zmm
+// registers (M = 6: 24 + 6 + 1); a multiple of 4 where it can be, for sum4.
+template <int M>
+constexpr int kRowsPerBlock = M <= 2 ? 4 : M <= 6 ? 4 : M == 7 ? 3 : 2;
+// The interleaved blocks prefetch the memory this many weight rows ahead of the block (at least one block).
+constexpr int kPrefetchRows = 4;
+
+// Lane i of the result is the sum of the 16 lanes of the i-th argument. One sum's order of additions does
+// not depend on the other three vectors, and four sums share one tree of shuffles.
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // Per 128-bit lane: unpacklo(a, b) = [a0 b0 a1 b1], unpackhi = [a2 b2 a3 b3].
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  // [a0+a2, b0+b2, c0+c2, d0+d2] + [a1+a3, b1+b3, c1+c3, d1+d3] in each 128-bit lane.
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+// Four float32 -> bfloat16, rounded to nearest even as from_float (dtype.h) does; NaN -> 0x7FC0.
+inline __m128i to_bf16x4(__m128 v) {
+  const __m128i u = _mm_castps_si128(v);
+  const __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+  const __m128i r = _mm_srli_epi32(_mm_add_epi32(u, _mm_add_epi32(lsb, _mm_set1_epi32(0x7FFF))), 16);
+  return _mm_mask_blend_epi32(_mm_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm_set1_epi32(0x7FC0));
+}
+
+template <bool kTail>
+inline __m512bh load_bf16x32(const c10::BFloat16* p, __mmask32 mask) {
+  // At the tail of K the masked-off lanes load as zeros and add nothing.
+  return (__m512bh)(kTail ? _mm512_maskz_loadu_epi16(mask, p) : _mm512_loadu_si512(p));
+}
+
+// y[m, n0 + j] for j < nb (<= NB) and every m < M: the dot products of weight rows n0 .. n0 + nb - 1 with the
+// rows of x (M, K). Rows past nb repeat the last one (their sums are discarded), so the loops have no branches.
+template <int M>
+inline void dot_block(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y,
+                      int64_t n0, int nb, int64_t N, int64_t K) {
+  constexpr int NB = kRowsPerBlock<M>;
+  const c10::BFloat16* wr[NB];
+  for (int j = 0; j < NB; ++j) wr[j] = w + (n0 + std::min(j, nb - 1)) * K;
+  const int64_t k_full = K / 32 * 32;
+  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (K - k_full)) - 1);
+  __m512 acc[NB][M];
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+  if constexpr (kSequential<M>) {
+    auto row_slice = [&]<bool kTail>(int j, int64_t k) {
+      const __m512bh wv = load_bf16x32<kTail>(wr[j] + k, tail);
+      for (int m = 0; m < M; ++m) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], load_bf16x32<kTail>(x + m * K + k, tail), wv);
+    };
+    for (int j = 0; j < NB; ++j) {
+      for (int64_t k = 0; k < k_full; k += 32) row_slice.template operator()<false>(j, k);
+      if (k_full < K) row_slice.template operator()<true>(j, k_full);
     }
+  } else {
+    // The memory kPrefetchRows rows past the block, in address order: one line per weight vector loaded, so
+    // successive blocks prefetch successive stretches.
+    const char* ahead = reinterpret_cast<const char*>(w + (n0 + std::max(NB, kPrefetchRows)) * K);
+    auto slice = [&]<bool kTail>(int64_t k) {
+      __m512bh xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = load_bf16x32<kTail>(x + m * K + k, tail);
+      for (int j = 0; j < NB; ++j) {
+        _mm_prefetch(ahead + (k / 32 * NB + j) * 64, _MM_HINT_T0);
+        const __m512bh wv = load_bf16x32<kTail>(wr[j] + k, tail);
+        for (int m = 0; m < M; ++m) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], xv[m], wv);
+      }
+    };
+    for (int64_t k = 0; k < k_full; k += 32) slice.template operator()<false>(k);
+    if (k_full < K) slice.template operator()<true>(k_full);
   }
-  for (; k + 32 <= K; k += 32) {
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + k));
-    for (int m = 0; m < M; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(x + m * ldx + k));
-      acc0[m] = _mm512_dpbf16_ps(acc0[m], xv, wv);
+  const __m512 zero = _mm512_setzero_ps();
+  for (int j = 0; j < nb; j += 4) {
+    const __mmask8 keep = static_cast<__mmask8>((1u << std::min(4, nb - j)) - 1);
+    __m128 b = _mm_setzero_ps();
+    if (bias != nullptr) {  // bf16 is the top half of a float32
+      const __m128i raw = _mm_maskz_loadu_epi16(keep, bias + n0 + j);
+      b = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(raw), 16));
     }
-  }
-  for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m]));
-#else
-  for (int m = 0; m < M; ++m) out[m] = 0.f;
-#endif
-  for (int m = 0; m < M; ++m) {  // the tail (all of K without AVX512-BF16)
-    float s = 0.f;
-    const c10::BFloat16* xr = x + m * ldx;
-#pragma omp simd reduction(+ : s)
-    for (int64_t j = k; j < K; ++j) s += to_float(xr[j]) * to_float(w[j]);
-    out[m] += s;
+    for (int m = 0; m < M; ++m) {
+      auto at = [&](int i) { return j + i < NB ? acc[j + i][m] : zero; };
+      const __m128 s = _mm_add_ps(sum4(at(0), at(1), at(2), at(3)), b);
+      _mm_mask_cvtepi32_storeu_epi16(y + m * N + n0 + j, keep, to_bf16x4(s));
+    }
   }
 }
+#endif
 
 template <int M>
 void skinny_kernel(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y,
@@ -67,12 +131,22 @@ void skinny_kernel(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BF
   // Chunks of at least ~256 KiB of weights: smaller jobs stay on the calling thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (K * 2));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    float out[M];
+#ifdef TOKENLOOM_DPBF16
+    constexpr int NB = kRowsPerBlock<M>;
+    for (int64_t n = begin; n < end; n += NB)
+      dot_block<M>(x, w, bias, y, n, static_cast<int>(std::min<int64_t>(NB, end - n)), N, K);
+#else
     for (int64_t n = begin; n < end; ++n) {
-      dot_rows<M>(x, K, w + n * K, K, out);
-      const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
-      for (int m = 0; m < M; ++m) y[m * N + n] = from_float<c10::BFloat16>(out[m] + b);
+      const c10::BFloat16* wr = w + n * K;
+      for (int m = 0; m < M; ++m) {
+        const c10::BFloat16* xr = x + m * K;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t j = 0; j < K; ++j) s += to_float(xr[j]) * to_float(wr[j]);
+        y[m * N + n] = from_float<c10::BFloat16>(s + (bias != nullptr ? to_float(bias[n]) : 0.f));
+      }
     }
+#endif
   });
 }
 
