@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -38,7 +39,7 @@ constexpr bool kSequential = M <= 2;
 // Weight rows per block: NB x M accumulators, the M slices of x and one weight vector fit the 32 zmm
 // registers (M = 6: 24 + 6 + 1); a multiple of 4 where it can be, for sum4.
 template <int M>
-constexpr int kRowsPerBlock = M <= 2 ? 4 : M <= 6 ? 4 : M == 7 ? 3 : 2;
+constexpr int kRowsPerBlock = M <= 6 ? 4 : M == 7 ? 3 : 2;
 // The interleaved blocks prefetch the memory this many weight rows ahead of the block (at least one block).
 constexpr int kPrefetchRows = 4;
 
@@ -95,12 +96,14 @@ inline void dot_block(const c10::BFloat16* x, const c10::BFloat16* w, const c10:
   } else {
     // The memory kPrefetchRows rows past the block, in address order: one line per weight vector loaded, so
     // successive blocks prefetch successive stretches.
-    const char* ahead = reinterpret_cast<const char*>(w + (n0 + std::max(NB, kPrefetchRows)) * K);
+    // (An address, not a pointer: past the last block it lies outside w, where a prefetch is harmless.)
+    const std::uintptr_t ahead =
+        reinterpret_cast<std::uintptr_t>(w) + static_cast<std::uintptr_t>((n0 + std::max(NB, kPrefetchRows)) * K * 2);
     auto slice = [&]<bool kTail>(int64_t k) {
       __m512bh xv[M];
       for (int m = 0; m < M; ++m) xv[m] = load_bf16x32<kTail>(x + m * K + k, tail);
       for (int j = 0; j < NB; ++j) {
-        _mm_prefetch(ahead + (k / 32 * NB + j) * 64, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + (k / 32 * NB + j) * 64), _MM_HINT_T0);
         const __m512bh wv = load_bf16x32<kTail>(wr[j] + k, tail);
         for (int m = 0; m < M; ++m) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], xv[m], wv);
       }
