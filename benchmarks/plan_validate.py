@@ -225,7 +225,7 @@ def compare(name: str, sweeps: list[dict[str, Any]], a: argparse.Namespace) -> l
 
     def pooled_knee(side: str) -> float | None:
         # Every repeat's requests at a rate together: throughput = all output tokens / all durations, one
-        # p95 over all E2Es (3 x 80 requests instead of the median of three 80-request p95s).
+        # p95 over all E2Es (repeats x num-prompts requests instead of the median of the repeats' p95s).
         pts = []
         for rate in sorted({r["rate"] for r in sweeps}):
             pools = [r[f"{side}_pool"] for r in sweeps if r["rate"] == rate]
