@@ -183,7 +183,7 @@ def sweep(name: str, fleet: FleetConfig, prof: Profile, folder: Path, repeat: in
         records[records["request_rate"] == rate].to_csv(trace, index=False)
         result = simulate(prof, fleet, replay(trace, seed=a.seed), a.seed)
         s = fleet_summary(result)
-        ok = records[(records["request_rate"] == rate) & (records["success"] == True)]  # noqa: E712 (a column)
+        ok = records[(records["request_rate"] == rate) & records["success"].astype(bool)]
         done = [r for r in result.records if r.end is not None]
         row: dict[str, Any] = {"setup": name, "repeat": repeat, "rate": rate, "measured_completed": m["completed"],
                                "measured_out_tok_s": m["output_throughput"], "sim_out_tok_s": s["output_throughput"],
