@@ -180,10 +180,11 @@ def sweep(name: str, fleet: FleetConfig, prof: Profile, folder: Path, repeat: in
     for m in measured:
         rate = m["request_rate"]
         trace = a.out / f"{name}-r{repeat}-{rate:g}.csv"
-        records[records["request_rate"] == rate].to_csv(trace, index=False)
+        at_rate = records[records["request_rate"] == rate]
+        at_rate.to_csv(trace, index=False)
         result = simulate(prof, fleet, replay(trace, seed=a.seed), a.seed)
         s = fleet_summary(result)
-        ok = records[(records["request_rate"] == rate) & records["success"].astype(bool)]
+        ok = at_rate[at_rate["success"].astype(bool)]
         done = [r for r in result.records if r.end is not None]
         row: dict[str, Any] = {"setup": name, "repeat": repeat, "rate": rate, "measured_completed": m["completed"],
                                "measured_out_tok_s": m["output_throughput"], "sim_out_tok_s": s["output_throughput"],

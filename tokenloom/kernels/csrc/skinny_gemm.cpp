@@ -14,8 +14,10 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
 #include <immintrin.h>
+#include "avx512.h"
 #define TOKENLOOM_DPBF16 1
 #endif
 
@@ -26,8 +28,9 @@ namespace {
 
 #ifdef TOKENLOOM_DPBF16
 // How a block of weight rows is read. One accumulator chain per output (row of x, weight row), summed over
-// the 32-wide slices of K in order, then reduced four weight rows at a time by sum4: every output gets the
-// same arithmetic in either order, for every M, block and thread split.
+// the 32-wide slices of K in order, then reduced four weight rows at a time by hsum4 (avx512.h), in which one
+// sum's additions do not depend on the other three: every output gets the same arithmetic in either order,
+// for every M, block and thread split.
 // - M <= 2: the block's rows one after another, x reloaded for each (cheap at 1-2 rows), so the weights
 //   stream sequentially, as the hardware prefetcher likes best.
 // - M >= 3: the block's rows side by side, each slice of x loaded once into registers for all of them;
@@ -37,25 +40,11 @@ namespace {
 template <int M>
 constexpr bool kSequential = M <= 2;
 // Weight rows per block: NB x M accumulators, the M slices of x and one weight vector fit the 32 zmm
-// registers (M = 6: 24 + 6 + 1); a multiple of 4 where it can be, for sum4.
+// registers (M = 6: 24 + 6 + 1); a multiple of 4 where it can be, for hsum4.
 template <int M>
 constexpr int kRowsPerBlock = M <= 6 ? 4 : M == 7 ? 3 : 2;
 // The interleaved blocks prefetch the memory this many weight rows ahead of the block (at least one block).
 constexpr int kPrefetchRows = 4;
-
-// Lane i of the result is the sum of the 16 lanes of the i-th argument. One sum's order of additions does
-// not depend on the other three vectors, and four sums share one tree of shuffles.
-inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  // Per 128-bit lane: unpacklo(a, b) = [a0 b0 a1 b1], unpackhi = [a2 b2 a3 b3].
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  // [a0+a2, b0+b2, c0+c2, d0+d2] + [a1+a3, b1+b3, c1+c3, d1+d3] in each 128-bit lane.
-  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
-                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
-  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
 
 // Four float32 -> bfloat16, rounded to nearest even as from_float (dtype.h) does; NaN -> 0x7FC0.
 inline __m128i to_bf16x4(__m128 v) {
@@ -121,7 +110,7 @@ inline void dot_block(const c10::BFloat16* x, const c10::BFloat16* w, const c10:
     }
     for (int m = 0; m < M; ++m) {
       auto at = [&](int i) { return j + i < NB ? acc[j + i][m] : zero; };
-      const __m128 s = _mm_add_ps(sum4(at(0), at(1), at(2), at(3)), b);
+      const __m128 s = _mm_add_ps(hsum4(at(0), at(1), at(2), at(3)), b);
       _mm_mask_cvtepi32_storeu_epi16(y + m * N + n0 + j, keep, to_bf16x4(s));
     }
   }
