@@ -1,7 +1,8 @@
 """Quantized weights under load: engine output tokens/s at 1..64 concurrent sequences, bf16 against the
 default model's Q4_1 (kept quantized) and --quantization int8, each quantized format twice: with the
 start-up routing (int8-activation VNNI kernels up to the measured crossover, quant/routing.py) and with
-`--quant-tile-max-rows 8` (the weight expanded to bf16 for oneDNN from 9 rows, tokenloom before the tiles).
+`--quant-tile-max-rows 8` (the weight expanded to bf16 for oneDNN from 9 rows, tokenloom before the tiles);
+"Q4_1 vnni" is the start-up routing with the tiles dotted by vpdpbusd where the start-up chose AMX-INT8.
 
 Offline (LLM.generate, no HTTP): every sequence has a --input-len-token prompt and generates --output-len
 tokens (ignore_eos). All engines are loaded first; then each repeat measures every (users, engine) pair
@@ -24,6 +25,7 @@ from tokenloom.models.default import default_model_path
 ENGINES = {
     "bf16": dict(gguf_weights="dequantize"),
     "Q4_1": dict(),
+    "Q4_1 vnni": dict(),  # the start-up routing with the tiles dotted by vpdpbusd (DOT), on an AMX CPU too
     "Q4_1 expand": dict(quant_tile_max_rows=8),
     "int8": dict(gguf_weights="dequantize", quantization="int8"),
     "int8 expand": dict(gguf_weights="dequantize", quantization="int8", quant_tile_max_rows=8),
@@ -68,6 +70,9 @@ def main() -> None:
         print(f"{u:5d} " + "".join(f"{c:>22s}" for c in cells))
 
 
+DOT = {"Q4_1 vnni": False}  # engines whose tiles' dot is forced (the others: as measured at start-up)
+
+
 def _tile_max(name: str) -> int | None:
     return ENGINES[name].get("quant_tile_max_rows")
 
@@ -83,7 +88,10 @@ def _route(name: str) -> None:
         return
     rows = _tile_max(name)
     budget = EngineConfig.__dataclass_fields__["max_num_batched_tokens"].default  # the engines' (default) budget
-    kernels.set_quant_tile_max_rows(rows if rows is not None else measured(kernels, budget).tile_max_rows)
+    chosen = measured(kernels, budget)
+    kernels.set_quant_tile_max_rows(rows if rows is not None else chosen.tile_max_rows)
+    if kernels.quant_tile_amx_available():
+        kernels.set_quant_tile_amx(DOT.get(name, chosen.tile_amx))
 
 
 if __name__ == "__main__":

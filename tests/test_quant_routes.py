@@ -6,6 +6,7 @@ start-up choice between them (quant/routing.py)."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,9 +52,10 @@ def _layers() -> dict[str, QuantLinear]:
 
 @pytest.fixture
 def restore_tile_max_rows() -> Iterator[None]:
-    before = KERNELS.quant_tile_max_rows()
+    before, amx = KERNELS.quant_tile_max_rows(), KERNELS.quant_tile_amx()
     yield
     KERNELS.set_quant_tile_max_rows(before)
+    KERNELS.set_quant_tile_amx(amx)
 
 
 @pytest.mark.parametrize("name", list(_layers()))
@@ -145,10 +147,14 @@ def test_calibration_reaches_a_served_step() -> None:
 @pytest.mark.usefixtures("restore_tile_max_rows")
 def test_calibration_times_both_routes_and_sets_the_kernel() -> None:
     r = routing.calibrate(KERNELS, rows=(16, 32), reps=2)
-    assert [m for m, _, _ in r.timings] == [16, 32] and all(a > 0 and b > 0 for _, a, b in r.timings)
-    assert r.tile_max_rows == routing.crossover(r.timings) == KERNELS.quant_tile_max_rows()
+    amx = KERNELS.quant_tile_amx_available()  # the AMX dot is timed only where it can run
+    assert [m for m, *_ in r.timings] == [16, 32]
+    assert all(v > 0 and e > 0 and (a > 0 if amx else math.isnan(a)) for _, v, a, e in r.timings)
+    assert (r.tile_amx, r.tile_max_rows) == routing.tile_dot(r.timings)
+    assert r.tile_max_rows == KERNELS.quant_tile_max_rows() and r.tile_amx == KERNELS.quant_tile_amx()
     assert r.source == "measured" and "measured" in r.describe() and "16 rows" in r.describe()
-    assert f"up to {r.tile_max_rows} rows, W expanded to bf16 for oneDNN beyond" in r.describe()
+    dot = "AMX-INT8" if r.tile_amx else "VNNI"
+    assert f"up to {r.tile_max_rows} rows (tiles dotted by {dot}), W expanded to bf16 for oneDNN beyond" in r.describe()
 
 
 @pytest.mark.usefixtures("restore_tile_max_rows")
@@ -159,6 +165,7 @@ def test_engine_start_up_sets_and_logs_the_routing(smollm2_gguf: Path, caplog: p
     assert KERNELS.quant_tile_max_rows() == 32
     routing = llm.engine.quant_routing  # what `tokenloom serve` prints beside the KV capacity line
     assert routing is not None and (routing.tile_max_rows, routing.source) == (32, "set")
-    assert any("VNNI kernels up to 32 rows" in r.getMessage() and "(set;" in r.getMessage() for r in caplog.records)
+    assert any("int8-activation kernels up to 32 rows" in r.getMessage() and "(set;" in r.getMessage()
+               for r in caplog.records)
     with pytest.raises(ConfigError, match="quant-tile-max-rows"):
         LLM(model=str(smollm2_gguf), quant_tile_max_rows=4)

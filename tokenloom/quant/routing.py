@@ -3,25 +3,29 @@
 Up to `quant_tile_max_rows` rows the kernels dot int8 activations with the quantized codes (vpdpbusd: the
 few-row kernels, then kernels/csrc/qtile.h's cache-resident tiles), reading each weight byte from memory
 once per call; beyond it they expand the weight to bf16 and hand it to oneDNN, which pays a bf16 copy of
-the weight per call but runs AMX where the CPU has it. Where the two cross depends on the CPU (AMX or
-not, core count, cache and memory speed), not on its vendor, so the engine measures it at start-up
-(`calibrate`): both routes on one synthetic layer at row counts from 16 up to the engine's step budget
-(--max-num-batched-tokens: no linear of a step sees more rows), the tiles kept up to the largest count
-below which they win at every count measured. The counts must reach the budget: served at 64 users, a
+the weight per call but runs AMX where the CPU has it. Where the CPU has AMX-INT8 the tiles can be dotted
+by it instead of vpdpbusd (csrc/qtile_amx.h: the same outputs bit for bit, 16 rows of x per tile
+instruction). Where the routes cross depends on the CPU (AMX or not, core count, cache and memory speed),
+not on its vendor, so the engine measures it at start-up (`calibrate`): the routes on one synthetic layer
+at row counts from 16 up to the engine's step budget (--max-num-batched-tokens: no linear of a step sees
+more rows); the tiles' dot is the one that stays ahead of the expansion up to more rows (the faster at 16
+rows on a tie), and the tiles are kept up to the largest count below which they win at every count
+measured. The counts must reach the budget: served at 64 users, a
 step holding a 512-token chunk of arriving prompts ran 532 ms through the expansion against 409 ms through
 the tiles (Q4_1 SmolLM2, Zen 4), when the measurement stopped at 256 rows and sent every larger call to
 the expansion; and need not go past it (at the default 512, the 1,024 and 2,048-row calls took ~0.5 s of
-start-up). `--quant-tile-max-rows N` sets it instead.
-The kernel module holds the value for the whole process (quant_linear and kquant_linear, the fused
-decode stack included); it is logged with the timings behind it. The measurement is made once per process
-and budget (`measured`): a process that builds several engines (tests, a benchmark sweep) sees the same
-choice for the same budget.
+start-up). `--quant-tile-max-rows N` sets the crossover instead (the dot is still measured).
+The kernel module holds the values for the whole process (quant_linear and kquant_linear, the fused
+decode stack included); they are logged with the timings behind them. The measurement is made once per
+process and budget (`measured`): a process that builds several engines (tests, a benchmark sweep) sees the
+same choice for the same budget.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,23 +48,29 @@ _SHAPE = (2048, 1024)
 class QuantRouting:
     tile_max_rows: int
     source: str  # "measured" | "set" (--quant-tile-max-rows)
-    amx: bool
-    # rows -> (tiles ms, expand ms), fastest of the calls; empty when not measured
-    timings: tuple[tuple[int, float, float], ...] = ()
+    amx: bool  # the CPU has AMX (torch's feature detection)
+    tile_amx: bool = False  # the tiles are dotted by AMX-INT8 (else vpdpbusd)
+    # (rows, vnni tiles ms, amx tiles ms (nan: not available), expand ms), fastest of the calls; empty when
+    # not measured
+    timings: tuple[tuple[int, float, float, float], ...] = ()
 
     def describe(self) -> str:
-        text = (f"quantized matmuls: int8-activation VNNI kernels up to {self.tile_max_rows} rows, W expanded "
-                f"to bf16 for oneDNN beyond "
-                f"({self.source}; CPU AMX: {'yes' if self.amx else 'no'})")
+        dot = "AMX-INT8" if self.tile_amx else "VNNI"
+        text = (f"quantized matmuls: int8-activation kernels up to {self.tile_max_rows} rows (tiles dotted by "
+                f"{dot}), W expanded to bf16 for oneDNN beyond ({self.source}; CPU AMX: "
+                f"{'yes' if self.amx else 'no'})")
         if self.timings:
-            text += "; tiles vs expand ms at " + ", ".join(f"{m} rows {a:.2f}/{b:.2f}" for m, a, b in self.timings)
+            has_amx = any(not math.isnan(a) for _, _, a, _ in self.timings)
+            head = "vnni/amx/expand" if has_amx else "vnni/expand"
+            text += f"; tiles {head} ms at " + ", ".join(
+                f"{m} rows {v:.2f}/" + (f"{a:.2f}/" if has_amx else "") + f"{e:.2f}" for m, v, a, e in self.timings)
         return text
 
 
 def cpu_has_amx() -> bool:
-    """Whether torch's CPU dispatch sees AMX (its own feature detection; no vendor names involved)."""
+    """Whether torch's CPU feature detection sees AMX tiles (no vendor names involved)."""
     try:
-        return "AMX" in torch.backends.cpu.get_cpu_capability().upper()
+        return bool(torch.cpu.get_capabilities().get("amx_tile", False))
     except (AttributeError, RuntimeError):
         return False
 
@@ -94,8 +104,20 @@ def fastest_ms(fns: Sequence[Callable[[], object]], reps: int) -> list[float]:
     return [b * 1e3 for b in best]
 
 
+def tile_dot(timings: Sequence[tuple[int, float, float, float]]) -> tuple[bool, int]:
+    """(dot the tiles by AMX, crossover): the dot whose tiles beat the expansion up to more rows, the faster
+    at the first count on a tie; AMX only where it was measured (not nan)."""
+    vnni = crossover([(m, v, e) for m, v, _, e in timings])
+    if not timings or any(math.isnan(a) for _, _, a, _ in timings):
+        return False, vnni
+    amx = crossover([(m, a, e) for m, _, a, e in timings])
+    if amx > vnni or (amx == vnni and timings[0][2] <= timings[0][1]):
+        return True, amx
+    return False, vnni
+
+
 def calibrate(kernels: ModuleType, rows: Sequence[int] = CALIBRATION_ROWS, reps: int = 7) -> QuantRouting:
-    """Time both routes on the synthetic layer, set the crossover in `kernels`; under a second."""
+    """Time the routes on the synthetic layer, set the crossover and the tiles' dot in `kernels`; about a second."""
     from tokenloom.quant.linear import Int4Linear
     from tokenloom.quant.quantizers import quantize_int4
 
@@ -103,15 +125,40 @@ def calibrate(kernels: ModuleType, rows: Sequence[int] = CALIBRATION_ROWS, reps:
     gen = torch.Generator().manual_seed(0)
     layer = Int4Linear.from_codes(*quantize_int4(torch.randn(n, k, generator=gen) * 0.05, 32))
     args = (layer.codes, layer.scales, layer.mins, layer.bits, None)
+    has_amx = amx_available(kernels)
+
+    def tiles(x: torch.Tensor, amx: bool) -> Callable[[], object]:
+        def call() -> object:
+            kernels.set_quant_tile_amx(amx)
+            return kernels.quant_linear(x, *args, 1)
+        return call
+
     timings = []
-    for m in rows:
-        x = torch.randn(m, k, generator=gen).bfloat16()
-        tiles, expand = fastest_ms([lambda: kernels.quant_linear(x, *args, 1),
-                                  lambda: kernels.quant_linear(x, *args, 2)], reps)
-        timings.append((m, tiles, expand))
-    routing = QuantRouting(crossover(timings), "measured", cpu_has_amx(), tuple(timings))
-    kernels.set_quant_tile_max_rows(routing.tile_max_rows)
+    try:
+        for m in rows:
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            fns = [tiles(x, False), lambda: kernels.quant_linear(x, *args, 2)]
+            ms = fastest_ms(fns + [tiles(x, True)] if has_amx else fns, reps)
+            timings.append((m, ms[0], ms[2] if has_amx else math.nan, ms[1]))
+    finally:
+        if has_amx:
+            kernels.set_quant_tile_amx(False)
+    amx, rows_max = tile_dot(timings)
+    routing = QuantRouting(rows_max, "measured", cpu_has_amx(), amx, tuple(timings))
+    apply(kernels, routing)
     return routing
+
+
+def amx_available(kernels: ModuleType) -> bool:
+    """Whether the kernel module can dot the tiles by AMX-INT8 here (older builds lack the call)."""
+    return bool(getattr(kernels, "quant_tile_amx_available", lambda: False)())
+
+
+def apply(kernels: ModuleType, routing: QuantRouting) -> None:
+    """Set the crossover and the tiles' dot in the kernel module (process-wide)."""
+    kernels.set_quant_tile_max_rows(routing.tile_max_rows)
+    if amx_available(kernels):
+        kernels.set_quant_tile_amx(routing.tile_amx)
 
 
 def calibration_rows(max_rows: int) -> tuple[int, ...]:
@@ -128,15 +175,16 @@ def measured(kernels: ModuleType, max_rows: int) -> QuantRouting:
 
 
 def choose(kernels: ModuleType, tile_max_rows: int | None, max_rows: int) -> QuantRouting:
-    """Set the crossover: `tile_max_rows` as given (--quant-tile-max-rows), else measured up to a step of
-    `max_rows` rows (the engine's --max-num-batched-tokens); logged."""
+    """Set the crossover: `tile_max_rows` as given (--quant-tile-max-rows; the tiles' dot still measured
+    where AMX-INT8 is available), else measured up to a step of `max_rows` rows (the engine's
+    --max-num-batched-tokens); logged."""
     if tile_max_rows is None:
         routing = measured(kernels, max_rows)
-        kernels.set_quant_tile_max_rows(routing.tile_max_rows)
     else:
         if tile_max_rows < SKINNY_MAX_ROWS:
             raise ConfigError(f"--quant-tile-max-rows must be at least {SKINNY_MAX_ROWS}, got {tile_max_rows}")
-        kernels.set_quant_tile_max_rows(tile_max_rows)
-        routing = QuantRouting(tile_max_rows, "set", cpu_has_amx())
+        amx = amx_available(kernels) and measured(kernels, max_rows).tile_amx
+        routing = QuantRouting(tile_max_rows, "set", cpu_has_amx(), amx)
+    apply(kernels, routing)
     log.info("%s", routing.describe())
     return routing

@@ -102,6 +102,11 @@ bool quant_available();
 // rows of x, W expanded to bf16 for oneDNN beyond.
 int64_t quant_tile_max_rows();
 void set_quant_tile_max_rows(int64_t rows);
+// Whether qtile.h's tiles (quant_linear, kquant_linear) are dotted by AMX-INT8 rather than vpdpbusd: only
+// where the build has AMX and Linux granted the process its tile state (available); chosen at start-up.
+bool quant_tile_amx_available();
+bool quant_tile_amx();
+void set_quant_tile_amx(bool on);
 // kquant.cpp
 at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t route,
                          const c10::optional<at::Tensor>& bias);

@@ -327,21 +327,48 @@ static inline void rows_for(const Tile* t, const Out* o, const Shape& s, const X
   else rows_all<CB, 32, true>(t, o, s, x, M, y);
 }
 
+}  // namespace qtile
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define TOKENLOOM_QTILE_AMX 1
+#include "qtile_amx.h"
+#endif
+
+namespace qtile {
+
+#ifdef TOKENLOOM_QTILE_AMX
+// The AMX block kernel for the shape's groups (as rows_for: 16 inputs, 32, longer), its tiles configured.
+inline void amx_rows_for(const Tile* t, const Out* o, int cb, const Shape& s, const X& x, int64_t M, c10::BFloat16* y) {
+  if (s.gs == 16) amx::rows_all<16, false>(t, o, cb, s, x, M, y);
+  else if (s.gs == 32) amx::rows_all<32, false>(t, o, cb, s, x, M, y);
+  else amx::rows_all<32, true>(t, o, cb, s, x, M, y);
+}
+#endif
+
 // y (M, N) bf16 = x @ W.T (+ bias). `fill(n0, r, codes, scale, zp, isc)` decodes channels [n0, n0 + r)
 // (r <= 16) into a Tile, in the per-thread buffers it is given: codes (Kp / 4 steps x 64 bytes), scale, zp
 // (G x 16 floats each) and isc (G x 16 int32, for integer sub-scales); channels r..15 of them may hold
 // anything (their outputs are never stored).
-// ISUB: the shape has integer sub-scales (s.zcode > 0, Q6_K); see rows_for.
+// ISUB: the shape has integer sub-scales (s.zcode > 0, Q6_K); see rows_for. The tiles are dotted by AMX
+// where it is compiled in and quant_tile_amx() (set at start-up from a measurement) says so, integer
+// sub-scales excepted; by vpdpbusd otherwise.
 template <bool ISUB = false, typename Fill>
 at::Tensor linear(const at::Tensor& x, const Shape& s, const c10::BFloat16* bias, Fill&& fill) {
   TORCH_CHECK(ISUB == (s.zcode > 0), "qtile::linear: ISUB must say whether the shape has integer sub-scales");
   const int64_t M = x.size(0);
+#ifdef TOKENLOOM_QTILE_AMX
+  const bool amx = !ISUB && quant_tile_amx();
+  // AMX reads x in whole blocks of 16 rows: the buffers cover them (rows past M are never stored).
+  const int64_t Mp = amx ? (M + amx::kBlockRows - 1) / amx::kBlockRows * amx::kBlockRows : M;
+#else
+  const int64_t Mp = M;
+#endif
   thread_local std::vector<int8_t> xq_buf;
   thread_local std::vector<float> dx_buf, xs_buf;
   thread_local std::vector<int32_t> xz_buf;
-  int8_t* xq = scratch(xq_buf, M * s.Kp);
-  float* dx = scratch(dx_buf, M * s.Kp / 32);
-  float* xs = scratch(xs_buf, M * s.G);
+  int8_t* xq = scratch(xq_buf, Mp * s.Kp);
+  float* dx = scratch(dx_buf, Mp * s.Kp / 32);
+  float* xs = scratch(xs_buf, Mp * s.G);
   int32_t* xz = ISUB ? scratch(xz_buf, M * s.Kp / 16) : nullptr;
   quantize(x.data_ptr<c10::BFloat16>(), M, s, xq, dx, xs, xz);
   const X xv{xq, dx, xs, xz, s.Kp, s.G};
@@ -358,6 +385,9 @@ at::Tensor linear(const at::Tensor& x, const Shape& s, const c10::BFloat16* bias
     float* scale = scratch(scale_buf, 2 * s.G * kCh);
     float* zp = scratch(zp_buf, 2 * s.G * kCh);
     int32_t* isc = ISUB ? scratch(isc_buf, 2 * s.G * kCh) : nullptr;
+#ifdef TOKENLOOM_QTILE_AMX
+    if (amx) s.gs == 16 ? amx::configure<16>() : amx::configure<32>();
+#endif
     for (int64_t p = begin; p < end; ++p) {
       Tile t[2];
       Out o[2];
@@ -370,9 +400,18 @@ at::Tensor linear(const at::Tensor& x, const Shape& s, const c10::BFloat16* bias
         o[cb].k = static_cast<__mmask16>((1u << r) - 1);
         o[cb].bias = bias == nullptr ? _mm512_setzero_ps() : bf16x16(bias + n0, o[cb].k);
       }
+#ifdef TOKENLOOM_QTILE_AMX
+      if (amx) {
+        amx_rows_for(t, o, cb, s, xv, M, yp);
+        continue;
+      }
+#endif
       if (cb == 2) rows_for<2, ISUB>(t, o, s, xv, M, yp);
       else rows_for<1, ISUB>(t, o, s, xv, M, yp);
     }
+#ifdef TOKENLOOM_QTILE_AMX
+    if (amx) _tile_release();
+#endif
   });
   return y;
 }

@@ -583,6 +583,26 @@ bool quant_available() {
 
 int64_t quant_tile_max_rows() { return tile_max_rows.load(std::memory_order_relaxed); }
 
+namespace {
+std::atomic<bool> tile_amx{false};  // off until the start-up measurement (or a test) turns it on
+}  // namespace
+
+bool quant_tile_amx_available() {
+#ifdef TOKENLOOM_QTILE_AMX
+  return qtile::amx::permitted();
+#else
+  return false;
+#endif
+}
+
+bool quant_tile_amx() { return tile_amx.load(std::memory_order_relaxed); }
+
+void set_quant_tile_amx(bool on) {
+  TORCH_CHECK(!on || quant_tile_amx_available(), "set_quant_tile_amx: this build or CPU has no AMX-INT8 "
+              "(or the kernel refused the process its tile state)");
+  tile_amx.store(on, std::memory_order_relaxed);
+}
+
 void set_quant_tile_max_rows(int64_t rows) {
   TORCH_CHECK(rows >= kSkinnyMaxRows, "quant_tile_max_rows must be at least ", kSkinnyMaxRows);
   tile_max_rows.store(rows, std::memory_order_relaxed);

@@ -1,0 +1,139 @@
+// qtile.h's tiles dotted by AMX-INT8 instead of vpdpbusd, where the CPU has it (Intel Sapphire Rapids and
+// later): one tdpbsud multiplies 16 rows of x by a tile's 16 channels over 32 inputs (16 x 16 x 32
+// multiply-adds, 128 vpdpbusd's worth) in the matrix unit, leaving the vector units only the float work
+// per 32 inputs that the VNNI kernel does too.
+//
+// The tile codes need no new layout: qtile's steps of 4 inputs x 16 channels (64 bytes, channel j's four
+// codes in dword j) are exactly tdpbsud's B operand (K/4 rows of 16 dwords, unsigned bytes), and xq
+// (M, Kp) int8 row-major is its A operand (16 rows of x, SPAN signed bytes each). C (16 x 16 int32) holds
+// each row's int32 sum per channel over the span: the same integers as `dot`'s isum, scaled into float by
+// the same operations in the same order, so every output equals the VNNI kernel's bit for bit
+// (tests/test_quant_amx.py): the route changes speed, never tokens.
+//
+// Rows of x go 16 at a time; the last block's rows past M read the caller's padding (qtile::linear sizes
+// its buffers for whole blocks) and are computed but never stored. Spans are issued in pairs on two sets
+// of tiles (0-2 and 3-5), so the second tdpbsud runs while the first one's sums are scaled.
+//
+// Integer sub-scales (Q6_K) stay on vpdpbusd (their int32 work per 16 inputs would need the sums of every
+// 16 inputs out of the tiles; not built). Include only where AMX-TILE and AMX-INT8 are compiled in.
+#pragma once
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+
+namespace qtile::amx {
+
+constexpr int64_t kBlockRows = 16;  // rows of x per tdpbsud: a tile's 16 rows
+
+// Linux gives a process AMX's 8 KiB of tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); without it the first tile instruction faults. Asked once per process.
+inline bool permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+struct alignas(64) Config {  // ldtilecfg's 64-byte operand, palette 1
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0 and 3: x (16 rows x SPAN bytes); 1 and 4: codes (SPAN / 4 rows x 64 bytes); 2 and 5: the sums
+// (16 x 16 int32). The configuration is per thread, and oneDNN's AMX kernels load their own between our
+// calls: every parallel task loads it before its first tile instruction.
+template <int SPAN>
+inline void configure() {
+  Config c;
+  for (int t : {0, 3}) c.rows[t] = kBlockRows, c.colsb[t] = SPAN;
+  for (int t : {1, 4}) c.rows[t] = SPAN / 4, c.colsb[t] = 64;
+  for (int t : {2, 5}) c.rows[t] = kBlockRows, c.colsb[t] = 64;
+  // Not _tile_loadconfig: GCC 12's asm for it declares only 8 bytes of the operand read, and the other
+  // 56 bytes' stores were dropped as dead (ldtilecfg then faulted on a garbage configuration).
+  asm volatile("ldtilecfg %0" ::"m"(c));
+}
+
+// One span's sums (c: 16 rows x 16 channels, int32) into the rows' outputs, as `dot` does it: times dx and
+// the group's scale into acc (LONG: times dx into gacc); at a group's end, gacc times its scale (LONG) and
+// the zero point times each row's sum of x into acc. x's arrays start at the block's first row.
+template <int SPAN, bool LONG>
+__attribute__((always_inline)) inline void span_out(const int32_t* c, int64_t k0, const Tile& t, const Shape& s,
+                                                    const float* dr, const float* sr, int64_t dstride, int64_t G,
+                                                    __m512 (&acc)[kBlockRows], __m512 (&gacc)[LONG ? kBlockRows : 1]) {
+  const int64_t gs = LONG ? s.gs : SPAN;
+  const int64_t g = k0 / gs;
+  const __m512 sv = _mm512_loadu_ps(t.scale + g * kCh);
+#pragma GCC unroll 16
+  for (int r = 0; r < kBlockRows; ++r) {
+    const __m512 d = _mm512_set1_ps(dr[r * dstride + k0 / 32]);
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(c + r * kCh));
+    if constexpr (LONG) gacc[r] = _mm512_fmadd_ps(v, d, gacc[r]);
+    else acc[r] = _mm512_fmadd_ps(v, _mm512_mul_ps(sv, d), acc[r]);
+  }
+  if ((k0 + SPAN) % gs != 0) return;
+  const __m512 zv = _mm512_loadu_ps(t.zp + g * kCh);
+#pragma GCC unroll 16
+  for (int r = 0; r < kBlockRows; ++r) {
+    if constexpr (LONG) {
+      acc[r] = _mm512_fmadd_ps(gacc[r], sv, acc[r]);
+      gacc[r] = _mm512_setzero_ps();
+    }
+    acc[r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(sr[r * G + g]), acc[r]);
+  }
+}
+
+// Rows m0 .. m0 + rows - 1 (rows <= 16; x valid for 16 rows from m0) of y for one tile's channels.
+template <int SPAN, bool LONG>
+inline void block(const Tile& t, const Out& o, const Shape& s, const X& x, int64_t m0, int64_t rows, c10::BFloat16* y) {
+  alignas(64) int32_t sums[2][kBlockRows * kCh];
+  const int8_t* xa = x.q + m0 * x.Kp;
+  const int64_t dstride = x.Kp / 32, G = x.G;
+  const float* dr = x.dx + m0 * dstride;
+  const float* sr = x.xs + m0 * G;
+  // acc: the rows' outputs; gacc (LONG only): the group's sum of each 32 inputs times dx. acc must stay in
+  // registers: on the stack (a load and a store per multiply-add) AMX ran no faster than vpdpbusd.
+  __m512 acc[kBlockRows], gacc[LONG ? kBlockRows : 1];
+#pragma GCC unroll 16
+  for (int r = 0; r < kBlockRows; ++r) acc[r] = _mm512_setzero_ps();
+  if constexpr (LONG) {
+#pragma GCC unroll 16
+    for (int r = 0; r < kBlockRows; ++r) gacc[r] = _mm512_setzero_ps();
+  }
+  const int64_t kend = s.G * s.gs;  // spans past the last group (x's padding to Kp) are not computed, as in `dot`
+  int64_t k0 = 0;
+  for (; k0 + 2 * SPAN <= kend; k0 += 2 * SPAN) {
+    _tile_loadd(0, xa + k0, x.Kp);
+    _tile_loadd(1, t.codes + k0 * kCh, 64);
+    _tile_zero(2);
+    _tile_dpbsud(2, 0, 1);
+    _tile_loadd(3, xa + k0 + SPAN, x.Kp);
+    _tile_loadd(4, t.codes + (k0 + SPAN) * kCh, 64);
+    _tile_zero(5);
+    _tile_dpbsud(5, 3, 4);
+    _tile_stored(2, sums[0], 64);
+    span_out<SPAN, LONG>(sums[0], k0, t, s, dr, sr, dstride, G, acc, gacc);
+    _tile_stored(5, sums[1], 64);
+    span_out<SPAN, LONG>(sums[1], k0 + SPAN, t, s, dr, sr, dstride, G, acc, gacc);
+  }
+  if (k0 < kend) {  // an odd number of spans
+    _tile_loadd(0, xa + k0, x.Kp);
+    _tile_loadd(1, t.codes + k0 * kCh, 64);
+    _tile_zero(2);
+    _tile_dpbsud(2, 0, 1);
+    _tile_stored(2, sums[0], 64);
+    span_out<SPAN, LONG>(sums[0], k0, t, s, dr, sr, dstride, G, acc, gacc);
+  }
+  // All 16 unrolled, rows past the end skipped: indexing acc by a run-time row count would put it in memory.
+#pragma GCC unroll 16
+  for (int r = 0; r < kBlockRows; ++r)
+    if (r < rows) _mm256_mask_storeu_epi16(y + (m0 + r) * s.N + o.n0, o.k, ps_to_bf16(_mm512_add_ps(acc[r], o.bias)));
+}
+
+template <int SPAN, bool LONG>
+inline void rows_all(const Tile* t, const Out* o, int cb, const Shape& s, const X& x, int64_t M, c10::BFloat16* y) {
+  for (int c = 0; c < cb; ++c)
+    for (int64_t m0 = 0; m0 < M; m0 += kBlockRows)
+      block<SPAN, LONG>(t[c], o[c], s, x, m0, std::min(kBlockRows, M - m0), y);
+}
+
+}  // namespace qtile::amx
