@@ -2,7 +2,7 @@
 default model's Q4_1 (kept quantized) and --quantization int8, each quantized format twice: with the
 start-up routing (int8-activation VNNI kernels up to the measured crossover, quant/routing.py) and with
 `--quant-tile-max-rows 8` (the weight expanded to bf16 for oneDNN from 9 rows, tokenloom before the tiles);
-"Q4_1 vnni" is the start-up routing with the tiles dotted by vpdpbusd where the start-up chose AMX-INT8.
+"Q4_1 vnni" / "Q4_1 amx-int8" / "Q4_1 amx-bf16": the start-up routing with the tiles' dot forced (AMX CPUs).
 
 Offline (LLM.generate, no HTTP): every sequence has a --input-len-token prompt and generates --output-len
 tokens (ignore_eos). All engines are loaded first; then each repeat measures every (users, engine) pair
@@ -25,7 +25,10 @@ from tokenloom.models.default import default_model_path
 ENGINES = {
     "bf16": dict(gguf_weights="dequantize"),
     "Q4_1": dict(),
-    "Q4_1 vnni": dict(),  # the start-up routing with the tiles dotted by vpdpbusd (DOT), on an AMX CPU too
+    # the start-up routing with the tiles' dot forced (DOT), for an AMX CPU
+    "Q4_1 vnni": dict(),
+    "Q4_1 amx-int8": dict(),
+    "Q4_1 amx-bf16": dict(),
     "Q4_1 expand": dict(quant_tile_max_rows=8),
     "int8": dict(gguf_weights="dequantize", quantization="int8"),
     "int8 expand": dict(gguf_weights="dequantize", quantization="int8", quant_tile_max_rows=8),
@@ -70,7 +73,7 @@ def main() -> None:
         print(f"{u:5d} " + "".join(f"{c:>22s}" for c in cells))
 
 
-DOT = {"Q4_1 vnni": False}  # engines whose tiles' dot is forced (the others: as measured at start-up)
+DOT = {"Q4_1 vnni": "vnni", "Q4_1 amx-int8": "amx-int8", "Q4_1 amx-bf16": "amx-bf16"}  # forced tile dots
 
 
 def _tile_max(name: str) -> int | None:
@@ -81,7 +84,7 @@ def _route(name: str) -> None:
     """Set the process-wide crossover this engine was built with (engines built later overwrote it)."""
     from tokenloom.config import EngineConfig
     from tokenloom.kernels import load_cpu_kernels
-    from tokenloom.quant.routing import measured
+    from tokenloom.quant.routing import DOTS, measured
 
     kernels = load_cpu_kernels()
     if kernels is None or name == "bf16":
@@ -90,8 +93,8 @@ def _route(name: str) -> None:
     budget = EngineConfig.__dataclass_fields__["max_num_batched_tokens"].default  # the engines' (default) budget
     chosen = measured(kernels, budget)
     kernels.set_quant_tile_max_rows(rows if rows is not None else chosen.tile_max_rows)
-    if kernels.quant_tile_amx_available():
-        kernels.set_quant_tile_amx(DOT.get(name, chosen.tile_amx))
+    if hasattr(kernels, "set_quant_tile_dot"):
+        kernels.set_quant_tile_dot(DOTS.index(DOT.get(name, chosen.tile_dot)))
 
 
 if __name__ == "__main__":

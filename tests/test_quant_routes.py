@@ -52,10 +52,11 @@ def _layers() -> dict[str, QuantLinear]:
 
 @pytest.fixture
 def restore_tile_max_rows() -> Iterator[None]:
-    before, amx = KERNELS.quant_tile_max_rows(), KERNELS.quant_tile_amx()
+    before, dot, start = KERNELS.quant_tile_max_rows(), KERNELS.quant_tile_dot(), KERNELS.quant_tile_dot_from()
     yield
     KERNELS.set_quant_tile_max_rows(before)
-    KERNELS.set_quant_tile_amx(amx)
+    KERNELS.set_quant_tile_dot(dot)
+    KERNELS.set_quant_tile_dot_from(start)
 
 
 @pytest.mark.parametrize("name", list(_layers()))
@@ -147,14 +148,17 @@ def test_calibration_reaches_a_served_step() -> None:
 @pytest.mark.usefixtures("restore_tile_max_rows")
 def test_calibration_times_both_routes_and_sets_the_kernel() -> None:
     r = routing.calibrate(KERNELS, rows=(16, 32), reps=2)
-    amx = KERNELS.quant_tile_amx_available()  # the AMX dot is timed only where it can run
-    assert [m for m, *_ in r.timings] == [16, 32]
-    assert all(v > 0 and e > 0 and (a > 0 if amx else math.isnan(a)) for _, v, a, e in r.timings)
-    assert (r.tile_amx, r.tile_max_rows) == routing.tile_dot(r.timings)
-    assert r.tile_max_rows == KERNELS.quant_tile_max_rows() and r.tile_amx == KERNELS.quant_tile_amx()
+    dots = KERNELS.quant_tile_dots()  # every usable dot is timed (AMX's two only where they can run)
+    assert [m for m, _, _ in r.timings] == [16, 32] and all(list(d) == dots for _, d, _ in r.timings)
+    assert all(t > 0 and e > 0 for _, d, e in r.timings for t in d.values())
+    assert (r.tile_dot, r.tile_max_rows, r.tile_dot_from) == routing.tile_dot(r.timings)
+    assert r.tile_max_rows == KERNELS.quant_tile_max_rows()
+    assert routing.DOTS.index(r.tile_dot) == KERNELS.quant_tile_dot()
+    if len(dots) > 1:
+        assert r.tile_dot_from == KERNELS.quant_tile_dot_from()
     assert r.source == "measured" and "measured" in r.describe() and "16 rows" in r.describe()
-    dot = "AMX-INT8" if r.tile_amx else "VNNI"
-    assert f"up to {r.tile_max_rows} rows (tiles dotted by {dot}), W expanded to bf16 for oneDNN beyond" in r.describe()
+    assert f"tiles dotted by {r.tile_dot}" in r.describe()
+    assert f"up to {r.tile_max_rows} rows, W expanded to bf16 for oneDNN beyond" in r.describe()
 
 
 @pytest.mark.usefixtures("restore_tile_max_rows")
@@ -165,7 +169,6 @@ def test_engine_start_up_sets_and_logs_the_routing(smollm2_gguf: Path, caplog: p
     assert KERNELS.quant_tile_max_rows() == 32
     routing = llm.engine.quant_routing  # what `tokenloom serve` prints beside the KV capacity line
     assert routing is not None and (routing.tile_max_rows, routing.source) == (32, "set")
-    assert any("int8-activation kernels up to 32 rows" in r.getMessage() and "(set;" in r.getMessage()
-               for r in caplog.records)
+    assert any("up to 32 rows, W expanded" in r.getMessage() and "(set;" in r.getMessage() for r in caplog.records)
     with pytest.raises(ConfigError, match="quant-tile-max-rows"):
         LLM(model=str(smollm2_gguf), quant_tile_max_rows=4)

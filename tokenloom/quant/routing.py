@@ -3,13 +3,14 @@
 Up to `quant_tile_max_rows` rows the kernels dot int8 activations with the quantized codes (vpdpbusd: the
 few-row kernels, then kernels/csrc/qtile.h's cache-resident tiles), reading each weight byte from memory
 once per call; beyond it they expand the weight to bf16 and hand it to oneDNN, which pays a bf16 copy of
-the weight per call but runs AMX where the CPU has it. Where the CPU has AMX-INT8 the tiles can be dotted
-by it instead of vpdpbusd (csrc/qtile_amx.h: the same outputs bit for bit, 16 rows of x per tile
-instruction). Where the routes cross depends on the CPU (AMX or not, core count, cache and memory speed),
+the weight per call but runs AMX where the CPU has it. Where the CPU has AMX the tiles can be dotted by it
+instead of vpdpbusd (csrc/qtile_amx.h): AMX-INT8 (the same outputs bit for bit) or AMX-BF16 (the tile
+decoded to bf16 in the cache, x not quantized: the expand route's numbers without its trip through
+memory). Where the routes cross depends on the CPU (AMX or not, core count, cache and memory speed),
 not on its vendor, so the engine measures it at start-up (`calibrate`): the routes on one synthetic layer
 at row counts from 16 up to the engine's step budget (--max-num-batched-tokens: no linear of a step sees
-more rows); the tiles' dot is the one that stays ahead of the expansion up to more rows (the faster at 16
-rows on a tie), and the tiles are kept up to the largest count below which they win at every count
+more rows); the tiles' dot is the one that stays ahead of the expansion up to the most rows (the faster at
+16 rows on a tie), and the tiles are kept up to the largest count below which they win at every count
 measured. The counts must reach the budget: served at 64 users, a
 step holding a 512-token chunk of arriving prompts ran 532 ms through the expansion against 409 ms through
 the tiles (Q4_1 SmolLM2, Zen 4), when the measurement stopped at 256 rows and sent every larger call to
@@ -27,7 +28,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -44,27 +45,31 @@ CALIBRATION_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # the counts timed, 
 _SHAPE = (2048, 1024)
 
 
+DOTS = ("vnni", "amx-int8", "amx-bf16")  # how the tiles meet x: the kernel's quant_tile_dot indices
+
+
 @dataclass(frozen=True)
 class QuantRouting:
     tile_max_rows: int
     source: str  # "measured" | "set" (--quant-tile-max-rows)
     amx: bool  # the CPU has AMX (torch's feature detection)
-    tile_amx: bool = False  # the tiles are dotted by AMX-INT8 (else vpdpbusd)
-    # (rows, vnni tiles ms, amx tiles ms (nan: not available), expand ms), fastest of the calls; empty when
-    # not measured
-    timings: tuple[tuple[int, float, float, float], ...] = ()
+    tile_dot: str = "vnni"  # of DOTS
+    tile_dot_from: int = 0  # rows of x from which the tiles take tile_dot (vnni below)
+    # (rows, {dot: tiles ms}, expand ms) per count measured, fastest of the calls; empty when not measured
+    timings: tuple[tuple[int, Mapping[str, float], float], ...] = ()
 
     def describe(self) -> str:
-        dot = "AMX-INT8" if self.tile_amx else "VNNI"
-        text = (f"quantized matmuls: int8-activation kernels up to {self.tile_max_rows} rows (tiles dotted by "
-                f"{dot}), W expanded to bf16 for oneDNN beyond ({self.source}; CPU AMX: "
-                f"{'yes' if self.amx else 'no'})")
+        text = (f"quantized matmuls: int8-activation kernels up to {SKINNY_MAX_ROWS} rows, then tiles dotted by "
+                f"{self.tile_dot}{self._from()} up to {self.tile_max_rows} rows, W expanded to bf16 for oneDNN beyond "
+                f"({self.source}; CPU AMX: {'yes' if self.amx else 'no'})")
         if self.timings:
-            has_amx = any(not math.isnan(a) for _, _, a, _ in self.timings)
-            head = "vnni/amx/expand" if has_amx else "vnni/expand"
-            text += f"; tiles {head} ms at " + ", ".join(
-                f"{m} rows {v:.2f}/" + (f"{a:.2f}/" if has_amx else "") + f"{e:.2f}" for m, v, a, e in self.timings)
+            text += "; ms at " + ", ".join(
+                f"{m} rows " + " / ".join(f"{d} {t:.2f}" for d, t in dots.items()) + f" / expand {e:.2f}"
+                for m, dots, e in self.timings)
         return text
+
+    def _from(self) -> str:
+        return f" from {self.tile_dot_from} rows (vnni below)" if self.tile_dot != "vnni" and self.tile_dot_from > 0 else ""
 
 
 def cpu_has_amx() -> bool:
@@ -104,20 +109,33 @@ def fastest_ms(fns: Sequence[Callable[[], object]], reps: int) -> list[float]:
     return [b * 1e3 for b in best]
 
 
-def tile_dot(timings: Sequence[tuple[int, float, float, float]]) -> tuple[bool, int]:
-    """(dot the tiles by AMX, crossover): the dot whose tiles beat the expansion up to more rows, the faster
-    at the first count on a tie; AMX only where it was measured (not nan)."""
-    vnni = crossover([(m, v, e) for m, v, _, e in timings])
-    if not timings or any(math.isnan(a) for _, _, a, _ in timings):
-        return False, vnni
-    amx = crossover([(m, a, e) for m, _, a, e in timings])
-    if amx > vnni or (amx == vnni and timings[0][2] <= timings[0][1]):
-        return True, amx
-    return False, vnni
+def tile_dot(timings: Sequence[tuple[int, Mapping[str, float], float]]) -> tuple[str, int, int]:
+    """(dot, crossover, from): the tiles' dot that beats the expansion up to the most rows (the fastest at the
+    first count on a tie; vnni where none other was measured), and the first measured count from which it is
+    at least as fast as vnni at every count to the crossover (vnni below: AMX-BF16's decode of the weight
+    costs the same at any row count and pays for itself only from some count on); 0 for vnni itself."""
+    if not timings:
+        return "vnni", SKINNY_MAX_ROWS, 0
+    reach = {d: crossover([(m, dots[d], e) for m, dots, e in timings]) for d in timings[0][1]}
+    best = max(reach, key=lambda d: (reach[d], -timings[0][1][d]))
+    if best == "vnni":
+        return best, reach[best], 0
+    counts = [(m, dots) for m, dots, _ in timings if m <= reach[best]]
+    start = len(counts)  # past the last count where vnni was faster
+    while start > 0 and counts[start - 1][1][best] <= counts[start - 1][1]["vnni"]:
+        start -= 1
+    first = counts[start][0] if start < len(counts) else reach[best] + 1  # never: vnni to the end
+    return best, reach[best], 0 if start == 0 else first
+
+
+def dots_available(kernels: ModuleType) -> tuple[str, ...]:
+    """The tiles' dots this kernel module can use here (older builds: vnni alone)."""
+    return tuple(getattr(kernels, "quant_tile_dots", lambda: ["vnni"])())
 
 
 def calibrate(kernels: ModuleType, rows: Sequence[int] = CALIBRATION_ROWS, reps: int = 7) -> QuantRouting:
-    """Time the routes on the synthetic layer, set the crossover and the tiles' dot in `kernels`; about a second."""
+    """Time the routes (each usable dot of the tiles, the expansion) on the synthetic layer, set the
+    crossover and the dot in `kernels`; about a second (two or three with AMX's two dots)."""
     from tokenloom.quant.linear import Int4Linear
     from tokenloom.quant.quantizers import quantize_int4
 
@@ -125,40 +143,38 @@ def calibrate(kernels: ModuleType, rows: Sequence[int] = CALIBRATION_ROWS, reps:
     gen = torch.Generator().manual_seed(0)
     layer = Int4Linear.from_codes(*quantize_int4(torch.randn(n, k, generator=gen) * 0.05, 32))
     args = (layer.codes, layer.scales, layer.mins, layer.bits, None)
-    has_amx = amx_available(kernels)
+    dots = dots_available(kernels)
 
-    def tiles(x: torch.Tensor, amx: bool) -> Callable[[], object]:
+    def tiles(x: torch.Tensor, dot: str) -> Callable[[], object]:
         def call() -> object:
-            kernels.set_quant_tile_amx(amx)
+            if len(dots) > 1:
+                kernels.set_quant_tile_dot(DOTS.index(dot))
             return kernels.quant_linear(x, *args, 1)
         return call
 
     timings = []
+    if len(dots) > 1:
+        kernels.set_quant_tile_dot_from(0)  # each dot timed at every count
     try:
         for m in rows:
             x = torch.randn(m, k, generator=gen).bfloat16()
-            fns = [tiles(x, False), lambda: kernels.quant_linear(x, *args, 2)]
-            ms = fastest_ms(fns + [tiles(x, True)] if has_amx else fns, reps)
-            timings.append((m, ms[0], ms[2] if has_amx else math.nan, ms[1]))
+            ms = fastest_ms([*(tiles(x, d) for d in dots), lambda: kernels.quant_linear(x, *args, 2)], reps)
+            timings.append((m, dict(zip(dots, ms[:-1])), ms[-1]))
     finally:
-        if has_amx:
-            kernels.set_quant_tile_amx(False)
-    amx, rows_max = tile_dot(timings)
-    routing = QuantRouting(rows_max, "measured", cpu_has_amx(), amx, tuple(timings))
+        if len(dots) > 1:
+            kernels.set_quant_tile_dot(0)
+    dot, rows_max, dot_from = tile_dot(timings)
+    routing = QuantRouting(rows_max, "measured", cpu_has_amx(), dot, dot_from, tuple(timings))
     apply(kernels, routing)
     return routing
-
-
-def amx_available(kernels: ModuleType) -> bool:
-    """Whether the kernel module can dot the tiles by AMX-INT8 here (older builds lack the call)."""
-    return bool(getattr(kernels, "quant_tile_amx_available", lambda: False)())
 
 
 def apply(kernels: ModuleType, routing: QuantRouting) -> None:
     """Set the crossover and the tiles' dot in the kernel module (process-wide)."""
     kernels.set_quant_tile_max_rows(routing.tile_max_rows)
-    if amx_available(kernels):
-        kernels.set_quant_tile_amx(routing.tile_amx)
+    if hasattr(kernels, "set_quant_tile_dot"):
+        kernels.set_quant_tile_dot(DOTS.index(routing.tile_dot))
+        kernels.set_quant_tile_dot_from(routing.tile_dot_from)
 
 
 def calibration_rows(max_rows: int) -> tuple[int, ...]:
@@ -183,8 +199,8 @@ def choose(kernels: ModuleType, tile_max_rows: int | None, max_rows: int) -> Qua
     else:
         if tile_max_rows < SKINNY_MAX_ROWS:
             raise ConfigError(f"--quant-tile-max-rows must be at least {SKINNY_MAX_ROWS}, got {tile_max_rows}")
-        amx = amx_available(kernels) and measured(kernels, max_rows).tile_amx
-        routing = QuantRouting(tile_max_rows, "set", cpu_has_amx(), amx)
+        m = measured(kernels, max_rows)
+        routing = QuantRouting(tile_max_rows, "set", cpu_has_amx(), m.tile_dot, m.tile_dot_from)
     apply(kernels, routing)
     log.info("%s", routing.describe())
     return routing

@@ -40,10 +40,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_tile_max_rows", &quant_tile_max_rows, "rows of x up to which the auto routes of quant_linear and "
         "kquant_linear take the VNNI kernels (W expanded to bf16 for oneDNN beyond)");
   m.def("set_quant_tile_max_rows", &set_quant_tile_max_rows, "set quant_tile_max_rows (at least SKINNY_MAX_ROWS)");
-  m.def("quant_tile_amx_available", &quant_tile_amx_available, "whether the tiles of quant_linear and "
-        "kquant_linear can be dotted by AMX-INT8 here (compiled in, and the process granted AMX's tile state)");
-  m.def("quant_tile_amx", &quant_tile_amx, "whether the tiles are dotted by AMX-INT8 (else vpdpbusd)");
-  m.def("set_quant_tile_amx", &set_quant_tile_amx, "dot the tiles by AMX-INT8 (only where available) or vpdpbusd");
+  m.def("quant_tile_dots", &quant_tile_dots, "the dots of quant_linear's and kquant_linear's tiles usable here, "
+        "by index: vnni (0), amx-int8 (1), amx-bf16 (2)");
+  m.def("quant_tile_dot", &quant_tile_dot, "how the tiles are dotted: 0 vnni, 1 amx-int8, 2 amx-bf16");
+  m.def("set_quant_tile_dot", &set_quant_tile_dot, "set quant_tile_dot (AMX only where usable)");
+  m.def("quant_tile_dot_from", &quant_tile_dot_from, "rows of x from which the tiles take quant_tile_dot "
+        "(vpdpbusd below)");
+  m.def("set_quant_tile_dot_from", &set_quant_tile_dot_from, "set quant_tile_dot_from");
   m.def("quant_available", &quant_available, "whether the AVX512-BF16 + VNNI quantized matmuls were compiled in");
   m.def("kquant_linear", &kquant_linear,
         "x @ dequant(W).T (+ bias): bfloat16 x (M, K), W as its GGUF blocks (N, K / QK * type_size) uint8 of type "

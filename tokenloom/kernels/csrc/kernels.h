@@ -102,11 +102,17 @@ bool quant_available();
 // rows of x, W expanded to bf16 for oneDNN beyond.
 int64_t quant_tile_max_rows();
 void set_quant_tile_max_rows(int64_t rows);
-// Whether qtile.h's tiles (quant_linear, kquant_linear) are dotted by AMX-INT8 rather than vpdpbusd: only
-// where the build has AMX and Linux granted the process its tile state (available); chosen at start-up.
-bool quant_tile_amx_available();
-bool quant_tile_amx();
-void set_quant_tile_amx(bool on);
+// How qtile.h's tiles (quant_linear, kquant_linear) are dotted with x: 0 vpdpbusd (int8 x), 1 AMX-INT8 (int8
+// x, the same outputs bit for bit), 2 AMX-BF16 (the tile decoded to bf16, x as it is). AMX only where the
+// build has it and Linux granted the process its tile state (quant_tile_dots lists those usable); chosen
+// at start-up (quant/routing.py).
+std::vector<std::string> quant_tile_dots();
+int64_t quant_tile_dot();
+void set_quant_tile_dot(int64_t dot);
+// Rows of x from which the tiles take quant_tile_dot (vpdpbusd below): AMX-BF16's decode costs the same
+// per call at any row count, and pays for itself only from some count on.
+int64_t quant_tile_dot_from();
+void set_quant_tile_dot_from(int64_t rows);
 // kquant.cpp
 at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t route,
                          const c10::optional<at::Tensor>& bias);

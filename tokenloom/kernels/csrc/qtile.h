@@ -345,21 +345,69 @@ inline void amx_rows_for(const Tile* t, const Out* o, int cb, const Shape& s, co
 }
 #endif
 
+#ifdef TOKENLOOM_QTILE_AMX
+// linear's AMX-BF16 dot: each pair of tiles filled as for the other dots, decoded to bf16 (amx::bf16_fill)
+// and multiplied by x padded to (Mp, Kp) bf16, 32 rows x 2 tiles per pass.
+template <typename Fill>
+at::Tensor bf16_linear(const at::Tensor& x, const Shape& s, const c10::BFloat16* bias, int64_t Mp, Fill&& fill) {
+  const int64_t M = x.size(0);
+  thread_local std::vector<c10::BFloat16> xb_buf;
+  c10::BFloat16* xb = scratch(xb_buf, Mp * s.Kp);
+  amx::pad_x(x.data_ptr<c10::BFloat16>(), M, s.K, Mp, s.Kp, xb);
+  at::Tensor y = at::empty({M, s.N}, x.options());
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  const int64_t pairs = (s.N + 2 * kCh - 1) / (2 * kCh);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 21) / (M * s.Kp * 2 * kCh));
+  const int64_t kend = s.G * s.gs;
+  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint8_t> codes_buf;
+    thread_local std::vector<float> scale_buf, zp_buf;
+    thread_local std::vector<c10::BFloat16> wb_buf;
+    uint8_t* codes = scratch(codes_buf, 2 * s.Kp * kCh);
+    float* scale = scratch(scale_buf, 2 * s.G * kCh);
+    float* zp = scratch(zp_buf, 2 * s.G * kCh);
+    c10::BFloat16* wbuf = scratch(wb_buf, 2 * s.Kp * kCh);
+    amx::configure_bf16();
+    for (int64_t p = begin; p < end; ++p) {
+      Out o[2];
+      const c10::BFloat16* wb[2];
+      int cb = 0;
+      for (; cb < 2 && (2 * p + cb) * kCh < s.N; ++cb) {
+        const int64_t n0 = (2 * p + cb) * kCh, r = std::min(kCh, s.N - n0);
+        const Tile t = fill(n0, r, codes + cb * s.Kp * kCh, scale + cb * s.G * kCh, zp + cb * s.G * kCh, nullptr);
+        amx::bf16_fill(t, s, kend, wbuf + cb * s.Kp * kCh);
+        wb[cb] = wbuf + cb * s.Kp * kCh;
+        o[cb].n0 = n0;
+        o[cb].k = static_cast<__mmask16>((1u << r) - 1);
+        o[cb].bias = bias == nullptr ? _mm512_setzero_ps() : bf16x16(bias + n0, o[cb].k);
+      }
+      if (cb == 2) amx::bf16_rows<2>(wb, o, s, xb, M, yp);
+      else amx::bf16_rows<1>(wb, o, s, xb, M, yp);
+    }
+    _tile_release();
+  });
+  return y;
+}
+#endif
+
 // y (M, N) bf16 = x @ W.T (+ bias). `fill(n0, r, codes, scale, zp, isc)` decodes channels [n0, n0 + r)
 // (r <= 16) into a Tile, in the per-thread buffers it is given: codes (Kp / 4 steps x 64 bytes), scale, zp
 // (G x 16 floats each) and isc (G x 16 int32, for integer sub-scales); channels r..15 of them may hold
 // anything (their outputs are never stored).
-// ISUB: the shape has integer sub-scales (s.zcode > 0, Q6_K); see rows_for. The tiles are dotted by AMX
-// where it is compiled in and quant_tile_amx() (set at start-up from a measurement) says so, integer
-// sub-scales excepted; by vpdpbusd otherwise.
+// ISUB: the shape has integer sub-scales (s.zcode > 0, Q6_K); see rows_for. The tiles are dotted as
+// quant_tile_dot() (set at start-up from a measurement) says from quant_tile_dot_from() rows on, where AMX
+// is compiled in, integer sub-scales excepted: by vpdpbusd (0), AMX-INT8 (1) or AMX-BF16 on the tiles
+// decoded to bf16 (2, x not quantized); by vpdpbusd below.
 template <bool ISUB = false, typename Fill>
 at::Tensor linear(const at::Tensor& x, const Shape& s, const c10::BFloat16* bias, Fill&& fill) {
   TORCH_CHECK(ISUB == (s.zcode > 0), "qtile::linear: ISUB must say whether the shape has integer sub-scales");
   const int64_t M = x.size(0);
 #ifdef TOKENLOOM_QTILE_AMX
-  const bool amx = !ISUB && quant_tile_amx();
+  const int64_t dot = ISUB || M < quant_tile_dot_from() ? 0 : quant_tile_dot();
   // AMX reads x in whole blocks of 16 rows: the buffers cover them (rows past M are never stored).
-  const int64_t Mp = amx ? (M + amx::kBlockRows - 1) / amx::kBlockRows * amx::kBlockRows : M;
+  const int64_t Mp = dot > 0 ? (M + amx::kBlockRows - 1) / amx::kBlockRows * amx::kBlockRows : M;
+  if (dot == 2) return bf16_linear(x, s, bias, Mp, fill);
+  const bool amx = dot == 1;
 #else
   const int64_t Mp = M;
 #endif

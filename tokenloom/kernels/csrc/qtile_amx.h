@@ -14,6 +14,13 @@
 // its buffers for whole blocks) and are computed but never stored. Spans are issued in pairs on two sets
 // of tiles (0-2 and 3-5), so the second tdpbsud runs while the first one's sums are scaled.
 //
+// A second AMX dot, bf16 (`Bf16Tiles`): each tile's codes decoded once more, into the weight itself (scale
+// times code plus zero point, rounded to bf16: the expand route's numbers) in tdpbf16ps's layout, in the
+// cache, and multiplied by x as it is (bf16, not quantized) with float sums kept in the tiles over all K:
+// no float work per 32 inputs at all, the cost the int8 dot cannot shed with one scale per 32 inputs.
+// Unlike the expand route, the bf16 weight never leaves the cache (the expand route writes and re-reads a
+// bf16 copy of every layer through memory each call).
+//
 // Integer sub-scales (Q6_K) stay on vpdpbusd (their int32 work per 16 inputs would need the sums of every
 // 16 inputs out of the tiles; not built). Include only where AMX-TILE and AMX-INT8 are compiled in.
 #pragma once
@@ -134,6 +141,125 @@ inline void rows_all(const Tile* t, const Out* o, int cb, const Shape& s, const 
   for (int c = 0; c < cb; ++c)
     for (int64_t m0 = 0; m0 < M; m0 += kBlockRows)
       block<SPAN, LONG>(t[c], o[c], s, x, m0, std::min(kBlockRows, M - m0), y);
+}
+
+}  // namespace qtile::amx
+
+namespace qtile::amx {
+
+// --- the bf16 dot -----------------------------------------------------------------------------------
+
+constexpr int64_t kStep = 32;  // inputs per tdpbf16ps: 16 rows of B, two bf16 of one channel each per dword
+
+// Tiles 0-1: x (16 rows x 32 bf16) of two blocks of rows; 2-3: the weight (16 rows of 2 inputs x 16
+// channels) of two tiles; 4-7: the float sums of the four (block, tile) pairs.
+inline void configure_bf16() {
+  Config c;
+  for (int t = 0; t < 8; ++t) c.rows[t] = kBlockRows, c.colsb[t] = 64;
+  asm volatile("ldtilecfg %0" ::"m"(c));
+}
+
+// Tile t's codes -> its bf16 weight wb ((Kp / 2) rows x 64 bytes: row i holds inputs 2i and 2i + 1 of the 16
+// channels, one dword each), w = scale_g u + zp_g rounded to nearest even; zeros from `kend` (inputs past
+// the last group, whose scales the tile does not hold).
+inline void bf16_fill(const Tile& t, const Shape& s, int64_t kend, c10::BFloat16* wb) {
+  // A code step's 64 bytes hold channel j's inputs 4s..4s+3 in dword j; a quarter of it widened to 16 floats
+  // is channels 4h..4h+3 x 4 inputs, so each quarter takes its channels' scales four times over.
+  alignas(64) int32_t rep[4][16];
+  for (int h = 0; h < 4; ++h)
+    for (int l = 0; l < 16; ++l) rep[h][l] = 4 * h + l / 4;
+  alignas(64) int32_t even[16], odd[16];  // dwords (inputs 0-1 / 2-3) of channels 0-7, then 8-15 (b's)
+  for (int j = 0; j < 16; ++j) even[j] = 2 * j, odd[j] = 2 * j + 1;
+  const __m512i ev = _mm512_load_si512(even), od = _mm512_load_si512(odd);
+  const int64_t steps = s.Kp / 4, live = kend / 4;
+  __m512 sc[4], zc[4];
+  int64_t g_loaded = -1;
+  for (int64_t st = 0; st < steps; ++st) {
+    __m512i* row = reinterpret_cast<__m512i*>(wb + st * 2 * 32);
+    if (st >= live) {
+      _mm512_store_si512(row, _mm512_setzero_si512());
+      _mm512_store_si512(row + 1, _mm512_setzero_si512());
+      continue;
+    }
+    const int64_t g = 4 * st / s.gs;
+    if (g != g_loaded) {
+      const __m512 sv = _mm512_loadu_ps(t.scale + g * kCh), zv = _mm512_loadu_ps(t.zp + g * kCh);
+      for (int h = 0; h < 4; ++h) {
+        const __m512i idx = _mm512_load_si512(rep[h]);
+        sc[h] = _mm512_permutexvar_ps(idx, sv);
+        zc[h] = _mm512_permutexvar_ps(idx, zv);
+      }
+      g_loaded = g;
+    }
+    const __m512i q = _mm512_loadu_si512(t.codes + st * 64);
+    __m512 w[4];
+#pragma GCC unroll 4
+    for (int h = 0; h < 4; ++h) {
+      const __m512i u = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(q, h));
+      w[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), sc[h], zc[h]);
+    }
+    // cvtne2ps(a, b): b's 16 values, then a's. lo: channels 0-7 (dword 2c + i/2 = channel c's pair i/2), hi: 8-15.
+    const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]), hi = (__m512i)_mm512_cvtne2ps_pbh(w[3], w[2]);
+    _mm512_store_si512(row, _mm512_permutex2var_epi32(lo, ev, hi));      // inputs 4s, 4s + 1
+    _mm512_store_si512(row + 1, _mm512_permutex2var_epi32(lo, od, hi));  // inputs 4s + 2, 4s + 3
+  }
+}
+
+// Rows m0.. of y (RB blocks of 16; rows past M not stored) for CB tiles whose bf16 weights are wb[c];
+// xb: x as bf16 padded to Kp (zeros) with whole blocks of rows, row stride Kp.
+template <int RB, int CB>
+inline void bf16_blocks(const c10::BFloat16* const* wb, const Out* o, const Shape& s, const c10::BFloat16* xb,
+                        int64_t m0, int64_t M, c10::BFloat16* y) {
+  const int64_t stride = s.Kp * 2;  // bytes per row of x
+  _tile_zero(4);
+  if constexpr (CB > 1) _tile_zero(5);
+  if constexpr (RB > 1) _tile_zero(6);
+  if constexpr (RB > 1 && CB > 1) _tile_zero(7);
+  for (int64_t k0 = 0; k0 < s.Kp; k0 += kStep) {
+    _tile_loadd(0, xb + m0 * s.Kp + k0, stride);
+    _tile_loadd(2, wb[0] + k0 * kCh, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    if constexpr (CB > 1) {
+      _tile_loadd(3, wb[1] + k0 * kCh, 64);
+      _tile_dpbf16ps(5, 0, 3);
+    }
+    if constexpr (RB > 1) {
+      _tile_loadd(1, xb + (m0 + kBlockRows) * s.Kp + k0, stride);
+      _tile_dpbf16ps(6, 1, 2);
+      if constexpr (CB > 1) _tile_dpbf16ps(7, 1, 3);
+    }
+  }
+  alignas(64) float sums[4][kBlockRows * kCh];
+  _tile_stored(4, sums[0], 64);
+  if constexpr (CB > 1) _tile_stored(5, sums[1], 64);
+  if constexpr (RB > 1) _tile_stored(6, sums[2], 64);
+  if constexpr (RB > 1 && CB > 1) _tile_stored(7, sums[3], 64);
+  for (int b = 0; b < RB; ++b)
+    for (int c = 0; c < CB; ++c)
+      for (int64_t r = 0; r < kBlockRows && m0 + b * kBlockRows + r < M; ++r)
+        _mm256_mask_storeu_epi16(y + (m0 + b * kBlockRows + r) * s.N + o[c].n0, o[c].k,
+                                 ps_to_bf16(_mm512_add_ps(_mm512_load_ps(sums[2 * b + c] + r * kCh), o[c].bias)));
+}
+
+template <int CB>
+inline void bf16_rows(const c10::BFloat16* const* wb, const Out* o, const Shape& s, const c10::BFloat16* xb,
+                      int64_t M, c10::BFloat16* y) {
+  int64_t m0 = 0;
+  for (; m0 + kBlockRows < M; m0 += 2 * kBlockRows) bf16_blocks<2, CB>(wb, o, s, xb, m0, M, y);
+  if (m0 < M) bf16_blocks<1, CB>(wb, o, s, xb, m0, M, y);
+}
+
+// x (M, K) -> (Mp, Kp) bf16, zeros past K and past M (whole blocks of 16 rows).
+inline void pad_x(const c10::BFloat16* x, int64_t M, int64_t K, int64_t Mp, int64_t Kp, c10::BFloat16* xb) {
+  for (int64_t m = 0; m < Mp; ++m) {
+    c10::BFloat16* dst = xb + m * Kp;
+    if (m < M) {
+      std::memcpy(dst, x + m * K, K * sizeof(c10::BFloat16));
+      std::memset(dst + K, 0, (Kp - K) * sizeof(c10::BFloat16));
+    } else {
+      std::memset(dst, 0, Kp * sizeof(c10::BFloat16));
+    }
+  }
 }
 
 }  // namespace qtile::amx

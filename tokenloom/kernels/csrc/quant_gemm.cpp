@@ -584,23 +584,38 @@ bool quant_available() {
 int64_t quant_tile_max_rows() { return tile_max_rows.load(std::memory_order_relaxed); }
 
 namespace {
-std::atomic<bool> tile_amx{false};  // off until the start-up measurement (or a test) turns it on
-}  // namespace
+std::atomic<int64_t> tile_dot{0};  // vpdpbusd until the start-up measurement (or a test) says otherwise
+std::atomic<int64_t> tile_dot_from{0};
 
-bool quant_tile_amx_available() {
+bool amx_usable() {
 #ifdef TOKENLOOM_QTILE_AMX
   return qtile::amx::permitted();
 #else
   return false;
 #endif
 }
+}  // namespace
 
-bool quant_tile_amx() { return tile_amx.load(std::memory_order_relaxed); }
+std::vector<std::string> quant_tile_dots() {
+  std::vector<std::string> d{"vnni"};
+  if (amx_usable()) d.insert(d.end(), {"amx-int8", "amx-bf16"});
+  return d;
+}
 
-void set_quant_tile_amx(bool on) {
-  TORCH_CHECK(!on || quant_tile_amx_available(), "set_quant_tile_amx: this build or CPU has no AMX-INT8 "
+int64_t quant_tile_dot() { return tile_dot.load(std::memory_order_relaxed); }
+
+int64_t quant_tile_dot_from() { return tile_dot_from.load(std::memory_order_relaxed); }
+
+void set_quant_tile_dot_from(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "set_quant_tile_dot_from: rows must be >= 0, got ", rows);
+  tile_dot_from.store(rows, std::memory_order_relaxed);
+}
+
+void set_quant_tile_dot(int64_t dot) {
+  TORCH_CHECK(dot >= 0 && dot <= 2, "set_quant_tile_dot: 0 (vnni), 1 (amx-int8) or 2 (amx-bf16), got ", dot);
+  TORCH_CHECK(dot == 0 || amx_usable(), "set_quant_tile_dot: this build or CPU has no AMX "
               "(or the kernel refused the process its tile state)");
-  tile_amx.store(on, std::memory_order_relaxed);
+  tile_dot.store(dot, std::memory_order_relaxed);
 }
 
 void set_quant_tile_max_rows(int64_t rows) {
