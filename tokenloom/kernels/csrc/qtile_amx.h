@@ -171,37 +171,36 @@ inline void bf16_fill(const Tile& t, const Shape& s, int64_t kend, c10::BFloat16
   alignas(64) int32_t even[16], odd[16];  // dwords (inputs 0-1 / 2-3) of channels 0-7, then 8-15 (b's)
   for (int j = 0; j < 16; ++j) even[j] = 2 * j, odd[j] = 2 * j + 1;
   const __m512i ev = _mm512_load_si512(even), od = _mm512_load_si512(odd);
-  const int64_t steps = s.Kp / 4, live = kend / 4;
-  __m512 sc[4], zc[4];
-  int64_t g_loaded = -1;
-  for (int64_t st = 0; st < steps; ++st) {
-    __m512i* row = reinterpret_cast<__m512i*>(wb + st * 2 * 32);
-    if (st >= live) {
-      _mm512_store_si512(row, _mm512_setzero_si512());
-      _mm512_store_si512(row + 1, _mm512_setzero_si512());
-      continue;
-    }
-    const int64_t g = 4 * st / s.gs;
-    if (g != g_loaded) {
-      const __m512 sv = _mm512_loadu_ps(t.scale + g * kCh), zv = _mm512_loadu_ps(t.zp + g * kCh);
-      for (int h = 0; h < 4; ++h) {
-        const __m512i idx = _mm512_load_si512(rep[h]);
-        sc[h] = _mm512_permutexvar_ps(idx, sv);
-        zc[h] = _mm512_permutexvar_ps(idx, zv);
-      }
-      g_loaded = g;
-    }
-    const __m512i q = _mm512_loadu_si512(t.codes + st * 64);
-    __m512 w[4];
+  // Group by group (a division per step cost more than the step), then zeros from kend to Kp.
+  const int64_t step_per_group = s.gs / 4;
+  for (int64_t g = 0; g < s.G; ++g) {
+    __m512 sc[4], zc[4];
+    const __m512 sv = _mm512_loadu_ps(t.scale + g * kCh), zv = _mm512_loadu_ps(t.zp + g * kCh);
 #pragma GCC unroll 4
     for (int h = 0; h < 4; ++h) {
-      const __m512i u = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(q, h));
-      w[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), sc[h], zc[h]);
+      const __m512i idx = _mm512_load_si512(rep[h]);
+      sc[h] = _mm512_permutexvar_ps(idx, sv);
+      zc[h] = _mm512_permutexvar_ps(idx, zv);
     }
-    // cvtne2ps(a, b): b's 16 values, then a's. lo: channels 0-7 (dword 2c + i/2 = channel c's pair i/2), hi: 8-15.
-    const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]), hi = (__m512i)_mm512_cvtne2ps_pbh(w[3], w[2]);
-    _mm512_store_si512(row, _mm512_permutex2var_epi32(lo, ev, hi));      // inputs 4s, 4s + 1
-    _mm512_store_si512(row + 1, _mm512_permutex2var_epi32(lo, od, hi));  // inputs 4s + 2, 4s + 3
+    for (int64_t st = g * step_per_group; st < (g + 1) * step_per_group; ++st) {
+      const uint8_t* q = t.codes + st * 64;
+      __m512 w[4];
+#pragma GCC unroll 4
+      for (int h = 0; h < 4; ++h) {  // widened straight from memory (an extract from a register is a shuffle)
+        const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h)));
+        w[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), sc[h], zc[h]);
+      }
+      // cvtne2ps(a, b): b's 16 values, then a's. lo: channels 0-7 (dword 2c + i/2 = channel c's pair i/2), hi: 8-15.
+      const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]), hi = (__m512i)_mm512_cvtne2ps_pbh(w[3], w[2]);
+      __m512i* row = reinterpret_cast<__m512i*>(wb + st * 2 * 32);
+      _mm512_store_si512(row, _mm512_permutex2var_epi32(lo, ev, hi));      // inputs 4s, 4s + 1
+      _mm512_store_si512(row + 1, _mm512_permutex2var_epi32(lo, od, hi));  // inputs 4s + 2, 4s + 3
+    }
+  }
+  for (int64_t st = kend / 4; st < s.Kp / 4; ++st) {
+    __m512i* row = reinterpret_cast<__m512i*>(wb + st * 2 * 32);
+    _mm512_store_si512(row, _mm512_setzero_si512());
+    _mm512_store_si512(row + 1, _mm512_setzero_si512());
   }
 }
 
