@@ -346,8 +346,8 @@ inline void amx_rows_for(const Tile* t, const Out* o, int cb, const Shape& s, co
 #endif
 
 #ifdef TOKENLOOM_QTILE_AMX
-// linear's AMX-BF16 dot: each pair of tiles filled as for the other dots, decoded to bf16 (amx::bf16_fill)
-// and multiplied by x padded to (Mp, Kp) bf16, 32 rows x 2 tiles per pass.
+// linear's AMX-BF16 dot: each pair of tiles filled as for the other dots, decoded to bf16 (amx::bf16_fill,
+// during the first pass over x) and multiplied by x padded to (Mp, Kp) bf16, 32 rows x 2 tiles per pass.
 template <typename Fill>
 at::Tensor bf16_linear(const at::Tensor& x, const Shape& s, const c10::BFloat16* bias, int64_t Mp, Fill&& fill) {
   const int64_t M = x.size(0);
@@ -370,19 +370,19 @@ at::Tensor bf16_linear(const at::Tensor& x, const Shape& s, const c10::BFloat16*
     amx::configure_bf16();
     for (int64_t p = begin; p < end; ++p) {
       Out o[2];
-      const c10::BFloat16* wb[2];
+      Tile t[2];
+      c10::BFloat16* wb[2];
       int cb = 0;
       for (; cb < 2 && (2 * p + cb) * kCh < s.N; ++cb) {
         const int64_t n0 = (2 * p + cb) * kCh, r = std::min(kCh, s.N - n0);
-        const Tile t = fill(n0, r, codes + cb * s.Kp * kCh, scale + cb * s.G * kCh, zp + cb * s.G * kCh, nullptr);
-        amx::bf16_fill(t, s, kend, wbuf + cb * s.Kp * kCh);
+        t[cb] = fill(n0, r, codes + cb * s.Kp * kCh, scale + cb * s.G * kCh, zp + cb * s.G * kCh, nullptr);
         wb[cb] = wbuf + cb * s.Kp * kCh;
         o[cb].n0 = n0;
         o[cb].k = static_cast<__mmask16>((1u << r) - 1);
         o[cb].bias = bias == nullptr ? _mm512_setzero_ps() : bf16x16(bias + n0, o[cb].k);
       }
-      if (cb == 2) amx::bf16_rows<2>(wb, o, s, xb, M, yp);
-      else amx::bf16_rows<1>(wb, o, s, xb, M, yp);
+      if (cb == 2) amx::bf16_rows<2>(wb, t, kend, o, s, xb, M, yp);
+      else amx::bf16_rows<1>(wb, t, kend, o, s, xb, M, yp);
     }
     _tile_release();
   });

@@ -159,30 +159,46 @@ inline void configure_bf16() {
   asm volatile("ldtilecfg %0" ::"m"(c));
 }
 
-// Tile t's codes -> its bf16 weight wb ((Kp / 2) rows x 64 bytes: row i holds inputs 2i and 2i + 1 of the 16
-// channels, one dword each), w = scale_g u + zp_g rounded to nearest even; zeros from `kend` (inputs past
-// the last group, whose scales the tile does not hold).
-inline void bf16_fill(const Tile& t, const Shape& s, int64_t kend, c10::BFloat16* wb) {
-  // A code step's 64 bytes hold channel j's inputs 4s..4s+3 in dword j; a quarter of it widened to 16 floats
-  // is channels 4h..4h+3 x 4 inputs, so each quarter takes its channels' scales four times over.
+// Index vectors of bf16_fill: rep[h] lane l = channel 4h + l / 4 (a quarter of a code step widened to 16
+// floats is channels 4h..4h+3 x 4 inputs, so it takes its channels' scales four times over); even / odd:
+// the dwords holding inputs 0-1 / 2-3 of channels 0-7, then (from the second vector) of channels 8-15.
+struct Bf16Index {
   alignas(64) int32_t rep[4][16];
+  alignas(64) int32_t even[16];
+  alignas(64) int32_t odd[16];
+};
+inline constexpr Bf16Index kBf16Index = [] {
+  Bf16Index i{};
   for (int h = 0; h < 4; ++h)
-    for (int l = 0; l < 16; ++l) rep[h][l] = 4 * h + l / 4;
-  alignas(64) int32_t even[16], odd[16];  // dwords (inputs 0-1 / 2-3) of channels 0-7, then 8-15 (b's)
-  for (int j = 0; j < 16; ++j) even[j] = 2 * j, odd[j] = 2 * j + 1;
-  const __m512i ev = _mm512_load_si512(even), od = _mm512_load_si512(odd);
-  // Group by group (a division per step cost more than the step), then zeros from kend to Kp.
-  const int64_t step_per_group = s.gs / 4;
-  for (int64_t g = 0; g < s.G; ++g) {
+    for (int l = 0; l < 16; ++l) i.rep[h][l] = 4 * h + l / 4;
+  for (int j = 0; j < 16; ++j) i.even[j] = 2 * j, i.odd[j] = 2 * j + 1;
+  return i;
+}();
+
+// Code steps [st0, st1) of tile t (4 inputs each) -> its bf16 weight wb ((Kp / 2) rows x 64 bytes: row i
+// holds inputs 2i and 2i + 1 of the 16 channels, one dword each), w = scale_g u + zp_g rounded to nearest
+// even; zeros from `kend` (inputs past the last group, whose scales the tile does not hold).
+inline void bf16_fill(const Tile& t, const Shape& s, int64_t kend, c10::BFloat16* wb, int64_t st0, int64_t st1) {
+  const __m512i ev = _mm512_load_si512(kBf16Index.even), od = _mm512_load_si512(kBf16Index.odd);
+  const int64_t spg = s.gs / 4;  // steps per group
+  for (int64_t st = st0; st < st1;) {
+    if (4 * st >= kend) {
+      __m512i* row = reinterpret_cast<__m512i*>(wb + st * 2 * 32);
+      _mm512_store_si512(row, _mm512_setzero_si512());
+      _mm512_store_si512(row + 1, _mm512_setzero_si512());
+      ++st;
+      continue;
+    }
+    const int64_t g = st / spg, stop = std::min(st1, (g + 1) * spg);  // a group at a time: one division
     __m512 sc[4], zc[4];
     const __m512 sv = _mm512_loadu_ps(t.scale + g * kCh), zv = _mm512_loadu_ps(t.zp + g * kCh);
 #pragma GCC unroll 4
     for (int h = 0; h < 4; ++h) {
-      const __m512i idx = _mm512_load_si512(rep[h]);
+      const __m512i idx = _mm512_load_si512(kBf16Index.rep[h]);
       sc[h] = _mm512_permutexvar_ps(idx, sv);
       zc[h] = _mm512_permutexvar_ps(idx, zv);
     }
-    for (int64_t st = g * step_per_group; st < (g + 1) * step_per_group; ++st) {
+    for (; st < stop; ++st) {
       const uint8_t* q = t.codes + st * 64;
       __m512 w[4];
 #pragma GCC unroll 4
@@ -197,24 +213,24 @@ inline void bf16_fill(const Tile& t, const Shape& s, int64_t kend, c10::BFloat16
       _mm512_store_si512(row + 1, _mm512_permutex2var_epi32(lo, od, hi));  // inputs 4s + 2, 4s + 3
     }
   }
-  for (int64_t st = kend / 4; st < s.Kp / 4; ++st) {
-    __m512i* row = reinterpret_cast<__m512i*>(wb + st * 2 * 32);
-    _mm512_store_si512(row, _mm512_setzero_si512());
-    _mm512_store_si512(row + 1, _mm512_setzero_si512());
-  }
 }
 
 // Rows m0.. of y (RB blocks of 16; rows past M not stored) for CB tiles whose bf16 weights are wb[c];
-// xb: x as bf16 padded to Kp (zeros) with whole blocks of rows, row stride Kp.
-template <int RB, int CB>
-inline void bf16_blocks(const c10::BFloat16* const* wb, const Out* o, const Shape& s, const c10::BFloat16* xb,
-                        int64_t m0, int64_t M, c10::BFloat16* y) {
+// xb: x as bf16 padded to Kp (zeros) with whole blocks of rows, row stride Kp. DECODE: the pass also
+// decodes each 32 inputs of the tiles t into wb just before multiplying them, so that the tile loads find
+// them in L1 (decoded all at once, 2 x 18 KiB for a 576-input pair and more for wider layers, the weight
+// loads came from L2 and took about a third of the time at 16 rows).
+template <int RB, int CB, bool DECODE>
+inline void bf16_blocks(c10::BFloat16* const* wb, const Tile* t, int64_t kend, const Out* o, const Shape& s,
+                        const c10::BFloat16* xb, int64_t m0, int64_t M, c10::BFloat16* y) {
   const int64_t stride = s.Kp * 2;  // bytes per row of x
   _tile_zero(4);
   if constexpr (CB > 1) _tile_zero(5);
   if constexpr (RB > 1) _tile_zero(6);
   if constexpr (RB > 1 && CB > 1) _tile_zero(7);
   for (int64_t k0 = 0; k0 < s.Kp; k0 += kStep) {
+    if constexpr (DECODE)
+      for (int c = 0; c < CB; ++c) bf16_fill(t[c], s, kend, wb[c], k0 / 4, (k0 + kStep) / 4);
     _tile_loadd(0, xb + m0 * s.Kp + k0, stride);
     _tile_loadd(2, wb[0] + k0 * kCh, 64);
     _tile_dpbf16ps(4, 0, 2);
@@ -240,12 +256,16 @@ inline void bf16_blocks(const c10::BFloat16* const* wb, const Out* o, const Shap
                                  ps_to_bf16(_mm512_add_ps(_mm512_load_ps(sums[2 * b + c] + r * kCh), o[c].bias)));
 }
 
+// All M rows for CB tiles t: the first pass (32 rows, or 16) decodes the tiles into wb as it goes, the
+// others read wb.
 template <int CB>
-inline void bf16_rows(const c10::BFloat16* const* wb, const Out* o, const Shape& s, const c10::BFloat16* xb,
-                      int64_t M, c10::BFloat16* y) {
-  int64_t m0 = 0;
-  for (; m0 + kBlockRows < M; m0 += 2 * kBlockRows) bf16_blocks<2, CB>(wb, o, s, xb, m0, M, y);
-  if (m0 < M) bf16_blocks<1, CB>(wb, o, s, xb, m0, M, y);
+inline void bf16_rows(c10::BFloat16* const* wb, const Tile* t, int64_t kend, const Out* o, const Shape& s,
+                      const c10::BFloat16* xb, int64_t M, c10::BFloat16* y) {
+  if (M > kBlockRows) bf16_blocks<2, CB, true>(wb, t, kend, o, s, xb, 0, M, y);
+  else bf16_blocks<1, CB, true>(wb, t, kend, o, s, xb, 0, M, y);
+  int64_t m0 = 2 * kBlockRows;
+  for (; m0 + kBlockRows < M; m0 += 2 * kBlockRows) bf16_blocks<2, CB, false>(wb, t, kend, o, s, xb, m0, M, y);
+  if (m0 < M) bf16_blocks<1, CB, false>(wb, t, kend, o, s, xb, m0, M, y);
 }
 
 // x (M, K) -> (Mp, Kp) bf16, zeros past K and past M (whole blocks of 16 rows).
