@@ -18,9 +18,11 @@ each its own weights, with the file's types) against the same in bf16.
 each its own weights (too many for the caches), called once each with --rows rows (each count in turn),
 as the decode stack does; bf16 as the engine runs it (the skinny kernel for one row, oneDNN's prepacked
 weight for more), the quantized formats through their auto route. Prints ms per step and the weight
-bytes read per second.
+bytes read per second. `--dots vnni,amx-int8,amx-bf16,expand` times Q4_1's tiles with each dot forced
+instead (AMX CPUs; quant/routing.py chooses among them at start-up).
 
     python benchmarks/quant_kernels.py [--min-run-time 0.1] [--rows 1,64] [--decode-step [--rows 1,16,64]]
+    python benchmarks/quant_kernels.py --decode-step --rows 16,32,64,128,256 --dots vnni,amx-int8,amx-bf16,expand
     python benchmarks/quant_kernels.py --gguf-types [--rows 1,4,8,64,256] | --gguf-decode-step
     python benchmarks/quant_kernels.py --kquant-rows --rows 2,4,8,16,32,64 [--threads 1] [--rounds 5]
                                        [--kquant-layers 24]
@@ -51,12 +53,14 @@ def torch_int4(w: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 2), sz
 
 
-def decode_step(rows: list[int], repeats: int = 5, steps: int = 20) -> None:
+def decode_step(rows: list[int], repeats: int = 5, steps: int = 20, dots: list[str] | None = None) -> None:
     from tokenloom.kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels()
     if kernels is None:
         raise SystemExit("--decode-step needs the C++ kernels")
+    if dots:
+        return _decode_step_dots(kernels, rows, repeats, steps, dots)
     torch.manual_seed(0)
     shapes = [SHAPES[name] for name in ("qkv", "o", "gate_up", "down")]
     formats = {
@@ -78,6 +82,50 @@ def decode_step(rows: list[int], repeats: int = 5, steps: int = 20) -> None:
                     fn(x)
 
             _report_step(f"{label} M={m}", 14, step, nbytes, repeats, steps)
+
+
+def _decode_step_dots(kernels: object, rows: list[int], repeats: int, steps: int, dots: list[str]) -> None:
+    """--decode-step --dots: Q4_1's 30 layers through the tiles with each dot forced (and from the first row),
+    or `expand` (the weight expanded to bf16 for oneDNN), beside bf16 as the engine runs it."""
+    from tokenloom.quant.routing import DOTS
+
+    usable = kernels.quant_tile_dots()  # type: ignore[attr-defined]
+    for d in dots:
+        if d != "expand" and d not in usable:
+            raise SystemExit(f"--dots: {d!r} is not usable here (usable: {', '.join(usable)}, expand)")
+    torch.manual_seed(0)
+    shapes = [SHAPES[name] for name in ("qkv", "o", "gate_up", "down")]
+    weights = [torch.randn(n, k) * 0.05 for _ in range(30) for n, k in shapes]
+    bf16 = [_bf16(kernels, w) for w in weights]
+    q4 = [Int4Linear.from_codes(*quantize_int4(w, 32)) for w in weights]
+    before = (kernels.quant_tile_max_rows(), kernels.quant_tile_dot(), kernels.quant_tile_dot_from())  # type: ignore[attr-defined]
+    kernels.set_quant_tile_max_rows(1 << 20)  # type: ignore[attr-defined]
+    kernels.set_quant_tile_dot_from(0)  # type: ignore[attr-defined]
+    try:
+        for m in rows:
+            xs = {k: torch.randn(m, k).bfloat16() for _, k in shapes}
+            ks = [k for _, k in shapes] * 30
+
+            def bf16_step() -> None:
+                for (fn, _), k in zip(bf16, ks):
+                    fn(xs[k])
+
+            _report_step(f"bf16 M={m}", 24, bf16_step, sum(b for _, b in bf16), repeats, steps)
+            for d in dots:
+                route = 2 if d == "expand" else 1
+                if d != "expand":
+                    kernels.set_quant_tile_dot(DOTS.index(d))  # type: ignore[attr-defined]
+
+                def q_step(route: int = route) -> None:
+                    for lay, k in zip(q4, ks):
+                        kernels.quant_linear(xs[k], lay.codes, lay.scales, lay.mins, lay.bits, None, route)  # type: ignore[attr-defined]
+
+                nbytes = sum(t.numel() * t.element_size() for lay in q4 for t in (lay.codes, lay.scales, lay.mins))
+                _report_step(f"Q4_1 {d} M={m}", 24, q_step, nbytes, repeats, steps)
+    finally:
+        kernels.set_quant_tile_max_rows(before[0])  # type: ignore[attr-defined]
+        kernels.set_quant_tile_dot(before[1])  # type: ignore[attr-defined]
+        kernels.set_quant_tile_dot_from(before[2])  # type: ignore[attr-defined]
 
 
 def _bf16(kernels: object, w: torch.Tensor) -> tuple[object, int]:
@@ -306,6 +354,8 @@ def main() -> None:
     ap.add_argument("--min-run-time", type=float, default=0.1)
     ap.add_argument("--rows", default="1,64")
     ap.add_argument("--decode-step", action="store_true", help="time a decode step's worth of layers, out of cache")
+    ap.add_argument("--dots", default="", help="--decode-step: Q4_1 through the tiles with each of these dots forced "
+                    "(comma-separated: vnni, amx-int8, amx-bf16, and expand for the weight expanded to bf16)")
     ap.add_argument("--gguf-types", action="store_true", help="the GGUF K-quant / Q5_0 kernels on Gemma 3's shapes")
     ap.add_argument("--gguf-decode-step", action="store_true", help="a Gemma 3 270M Q4_K_M decode step's linears")
     ap.add_argument("--kquant-rows", action="store_true",
@@ -330,7 +380,7 @@ def main() -> None:
         gguf_decode_step()
         return
     if args.decode_step:
-        decode_step([int(r) for r in args.rows.split(",")])
+        decode_step([int(r) for r in args.rows.split(",")], dots=[d for d in args.dots.split(",") if d])
         return
     torch.manual_seed(0)
     print(f"threads {torch.get_num_threads()}; median us (speed-up vs bf16)")

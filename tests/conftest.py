@@ -128,6 +128,22 @@ def assert_matches_reference(outs: list, ref_ids: list[list[int]], ref_logprobs:
         assert abs(first.logprob - float(lp[first.token_id])) < atol
 
 
+@pytest.fixture
+def vnni_tiles() -> Iterator[None]:
+    """The quantized tiles dotted by vpdpbusd (int8 x) for the test: an engine started earlier in the session
+    may have chosen an AMX dot process-wide (quant/routing.py), and tests of the int8 arithmetic need this one."""
+    from tokenloom.kernels import load_quant_kernels
+
+    kernels = load_quant_kernels()
+    if kernels is None or not hasattr(kernels, "set_quant_tile_dot"):
+        yield
+        return
+    before = kernels.quant_tile_dot()
+    kernels.set_quant_tile_dot(0)
+    yield
+    kernels.set_quant_tile_dot(before)
+
+
 @pytest.fixture(scope="module")
 def one_gguf_parse() -> Iterator[None]:
     """For a module whose transformers references load real GGUF files: transformers parses a file with

@@ -27,6 +27,7 @@ from tokenloom.quant.parts import PartsLinear
 from tokenloom.quant.weight_only import weight_bytes
 
 Q = GGMLQuantizationType
+pytestmark = pytest.mark.usefixtures("vnni_tiles")  # the int8-x arithmetic (AMX dots: test_quant_amx.py)
 # The few-row kernel's row counts, then more rows (vnni: the tiles of csrc/qtile.h; auto: those up to the
 # start-up crossover, quant/routing.py, then the weight expanded to bf16)
 ROWS = [*range(1, SKINNY_MAX_ROWS + 2), 16, 33, PACKED_MAX_ROWS, 300]

@@ -24,7 +24,8 @@ from tokenloom.quant.linear import Int4Linear, Int8Linear, QuantLinear
 from tokenloom.quant.quantizers import quantize_int4, quantize_int8
 
 KERNELS = load_quant_kernels()
-pytestmark = pytest.mark.skipif(KERNELS is None, reason="needs the AVX512 quantized kernels")
+pytestmark = [pytest.mark.skipif(KERNELS is None, reason="needs the AVX512 quantized kernels"),
+              pytest.mark.usefixtures("vnni_tiles")]  # the int8-x arithmetic (AMX dots: test_quant_amx.py)
 
 ROWS = [*range(1, 65), 100, 257]  # every batched-decode size to 64, then prefill-sized calls
 N, K = 45, 256  # 45 outputs: two full 16-channel tiles and a partial one (a pair of tiles, then one alone)

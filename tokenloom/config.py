@@ -100,8 +100,9 @@ class EngineConfig:
     prepack_weights: bool = True
     quantization: Quantization | None = None  # None: full-precision weights
     quant_group_size: int = 128  # int4 group size (a smaller supported one where it does not divide a layer)
-    # Quantized matmuls (CPU): int8-activation VNNI kernels up to this many rows of x, the weight expanded to
-    # bf16 for oneDNN beyond; None = measured at start-up (quant/routing.py).
+    # Quantized matmuls (CPU): the kernels that read the codes (int8 activations by VNNI; on AMX CPUs the
+    # tiles by AMX where measured faster) up to this many rows of x, the weight expanded to bf16 for oneDNN
+    # beyond; None = measured at start-up (quant/routing.py).
     quant_tile_max_rows: int | None = None
     gguf_weights: GgufWeights = "keep"  # keep: GGUF Q8_0/Q4_0/Q4_1 linear weights stay quantized (bf16, CPU)
     kv_cache_dtype: KVCacheDtype = "auto"  # int8: codes and float16 scales

@@ -50,9 +50,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                                   "it); a second copy of those weights"),
     EngineFlag("quantization", "weight-only quantization of the decoder's linear layers at load (CPU, bfloat16)"),
     EngineFlag("quant_group_size", "int4 group size"),
-    EngineFlag("quant_tile_max_rows", "quantized weights (cpu): int8-activation VNNI kernels up to this many rows "
-                                      "of x, the weight expanded to bf16 for oneDNN (AMX) beyond; default: "
-                                      "measured at start-up"),
+    EngineFlag("quant_tile_max_rows", "quantized weights (cpu): the kernels that read the codes (int8 "
+                                      "activations by VNNI, AMX tiles where the CPU has AMX and they measure "
+                                      "faster) up to this many rows of x, the weight expanded to bf16 for oneDNN "
+                                      "beyond; default: measured at start-up"),
     EngineFlag("gguf_weights", "keep: a GGUF's Q8_0/Q4_0/Q4_1 linear weights run quantized (bfloat16 on CPU); "
                                "dequantize: expand them to --dtype at load"),
     EngineFlag("kv_cache_dtype", "auto: the model's dtype; int8: int8 codes with float16 scales (see "
