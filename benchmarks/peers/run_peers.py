@@ -27,6 +27,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenloom.models.default import default_model_path
@@ -40,16 +41,18 @@ PEERS = ("tokenloom", "llamacpp", "vllm", "tokenloom-q4_1", "llamacpp-q4_1")
 
 
 def llama_server_command(binary: Path, gguf: Path, port: int, threads: int, slots: int, slot_ctx: int,
-                         alias: str) -> list[str]:
+                         alias: str, extra: Sequence[str] = ()) -> list[str]:
     """llama.cpp's C++ server with `slots` parallel slots of `slot_ctx` tokens each. Per-slot KV
-    (--no-kv-unified): with one unified cache and a big -c its many-user throughput halves on this CPU."""
+    (--no-kv-unified): with one unified cache and a big -c its many-user throughput halves on this CPU.
+    `extra`: more flags (--llamacpp-args)."""
     return [str(binary), "-m", str(gguf), "--alias", alias, "--host", "127.0.0.1", "--port", str(port),
             "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * slot_ctx),
-            "--no-kv-unified"]
+            "--no-kv-unified", *extra]
 
 
 def server_command(peer: str, port: int, hf_dir: Path, bf16_gguf: Path, peers_dir: Path, threads: int,
-                   max_model_len: int, slots: int, slot_ctx: int) -> tuple[list[str], dict[str, str]]:
+                   max_model_len: int, slots: int, slot_ctx: int,
+                   llamacpp_args: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     q4_1 = default_model_path()  # the embedded Q4_1 GGUF
     if peer in ("tokenloom", "tokenloom-q4_1"):
@@ -59,7 +62,7 @@ def server_command(peer: str, port: int, hf_dir: Path, bf16_gguf: Path, peers_di
     if peer in ("llamacpp", "llamacpp-q4_1"):
         gguf = bf16_gguf if peer == "llamacpp" else q4_1
         return llama_server_command(peers_dir / "llamacpp/bin/llama-server", gguf, port, threads, slots, slot_ctx,
-                                    "smollm2"), env
+                                    "smollm2", llamacpp_args), env
     if peer == "vllm":
         env["VLLM_CPU_KVCACHE_SPACE"] = env.get("VLLM_CPU_KVCACHE_SPACE", "4")
         return [str(peers_dir / "vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
@@ -127,6 +130,9 @@ def main() -> None:
                    help="llama-server tokens per slot (default: longest prompt + --output-len, rounded up to 256)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--startup-timeout", type=float, default=900.0, help="vLLM CPU takes minutes to warm up")
+    p.add_argument("--llamacpp-args", default="",
+                   help="more llama-server flags, one string (e.g. '--no-repack': on a Xeon with AMX, llama.cpp "
+                        "0.3.36's AMX path for Q4_1 died with an invalid opcode at the first request)")
     args = p.parse_args(argv)
 
     models = args.peers_dir / "models"
@@ -144,7 +150,7 @@ def main() -> None:
     for peer in args.peers.split(","):
         port = free_port()
         cmd, env = server_command(peer, port, hf_dir, bf16, args.peers_dir, args.threads, args.max_model_len,
-                                  slots, slot_ctx)
+                                  slots, slot_ctx, shlex.split(args.llamacpp_args))
         log_path = args.out / f"{peer}.server.log"
         print(f"== {peer}: starting {shlex.join(cmd)}", flush=True)
         with open(log_path, "wb") as log:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -192,14 +191,15 @@ def measured(kernels: ModuleType, max_rows: int) -> QuantRouting:
 
 def choose(kernels: ModuleType, tile_max_rows: int | None, max_rows: int) -> QuantRouting:
     """Set the crossover: `tile_max_rows` as given (--quant-tile-max-rows; the tiles' dot still measured
-    where AMX-INT8 is available), else measured up to a step of `max_rows` rows (the engine's
+    where AMX is available), else measured up to a step of `max_rows` rows (the engine's
     --max-num-batched-tokens); logged."""
     if tile_max_rows is None:
         routing = measured(kernels, max_rows)
     else:
         if tile_max_rows < SKINNY_MAX_ROWS:
             raise ConfigError(f"--quant-tile-max-rows must be at least {SKINNY_MAX_ROWS}, got {tile_max_rows}")
-        m = measured(kernels, max_rows)
+        # the dot still measured where there is more than one to choose from (AMX); nothing timed without
+        m = measured(kernels, max_rows) if len(dots_available(kernels)) > 1 else QuantRouting(0, "set", False)
         routing = QuantRouting(tile_max_rows, "set", cpu_has_amx(), m.tile_dot, m.tile_dot_from)
     apply(kernels, routing)
     log.info("%s", routing.describe())

@@ -329,7 +329,7 @@ static inline void rows_for(const Tile* t, const Out* o, const Shape& s, const X
 
 }  // namespace qtile
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define TOKENLOOM_QTILE_AMX 1
 #include "qtile_amx.h"
 #endif
@@ -343,9 +343,7 @@ inline void amx_rows_for(const Tile* t, const Out* o, int cb, const Shape& s, co
   else if (s.gs == 32) amx::rows_all<32, false>(t, o, cb, s, x, M, y);
   else amx::rows_all<32, true>(t, o, cb, s, x, M, y);
 }
-#endif
 
-#ifdef TOKENLOOM_QTILE_AMX
 // linear's AMX-BF16 dot: each pair of tiles filled as for the other dots, decoded to bf16 (amx::bf16_fill,
 // during the first pass over x) and multiplied by x padded to (Mp, Kp) bf16, 32 rows x 2 tiles per pass.
 template <typename Fill>

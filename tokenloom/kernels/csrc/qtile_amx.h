@@ -1,5 +1,7 @@
-// qtile.h's tiles dotted by AMX-INT8 instead of vpdpbusd, where the CPU has it (Intel Sapphire Rapids and
-// later): one tdpbsud multiplies 16 rows of x by a tile's 16 channels over 32 inputs (16 x 16 x 32
+// qtile.h's tiles dotted by AMX instead of vpdpbusd, where the CPU has it (Intel Sapphire Rapids and
+// later); two dots, chosen at start-up with the row count from which each is used (quant/routing.py).
+//
+// AMX-INT8: one tdpbsud multiplies 16 rows of x by a tile's 16 channels over 32 inputs (16 x 16 x 32
 // multiply-adds, 128 vpdpbusd's worth) in the matrix unit, leaving the vector units only the float work
 // per 32 inputs that the VNNI kernel does too.
 //
@@ -14,7 +16,7 @@
 // its buffers for whole blocks) and are computed but never stored. Spans are issued in pairs on two sets
 // of tiles (0-2 and 3-5), so the second tdpbsud runs while the first one's sums are scaled.
 //
-// A second AMX dot, bf16 (`Bf16Tiles`): each tile's codes decoded once more, into the weight itself (scale
+// AMX-BF16 (bf16_rows): each tile's codes decoded once more, into the weight itself (scale
 // times code plus zero point, rounded to bf16: the expand route's numbers) in tdpbf16ps's layout, in the
 // cache, and multiplied by x as it is (bf16, not quantized) with float sums kept in the tiles over all K:
 // no float work per 32 inputs at all, the cost the int8 dot cannot shed with one scale per 32 inputs.
@@ -22,7 +24,8 @@
 // bf16 copy of every layer through memory each call).
 //
 // Integer sub-scales (Q6_K) stay on vpdpbusd (their int32 work per 16 inputs would need the sums of every
-// 16 inputs out of the tiles; not built). Include only where AMX-TILE and AMX-INT8 are compiled in.
+// 16 inputs out of the tiles; not built). Include only where AMX-TILE, -INT8 and -BF16 and AVX512-BF16 are
+// compiled in (qtile.h's guard).
 #pragma once
 #include <sys/syscall.h>
 #include <unistd.h>
