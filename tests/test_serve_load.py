@@ -104,8 +104,9 @@ def test_api_key(tiny_llama: Path) -> None:
         body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
         r = httpx.post(srv.url + "/v1/completions", json=body)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        r = httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
-        assert r.status_code == 401
+        r = httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": "Bearer wrong",
+                                                                        "x-request-id": "req-401"})
+        assert r.status_code == 401 and r.headers["x-request-id"] == "req-401"
         r = httpx.post(srv.url + "/api/generate", json={"model": "tiny", "prompt": "x"})
         assert r.status_code == 401 and isinstance(r.json()["error"], str)
         assert httpx.get(srv.url + "/health").status_code == 200  # health stays open
@@ -193,6 +194,30 @@ def test_access_log_line_has_request_id_status_tokens_latency(live_server: LiveS
     line = lines[0]
     assert line["status"] == 200 and line["completion_tokens"] == 5 and line["prompt_tokens"] > 0
     assert line["latency_ms"] > 0 and line["path"] == "/v1/completions"
+
+
+def test_access_log_line_for_an_error_and_an_unknown_path(live_server: LiveServer,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="tokenloom.access"):
+        r = httpx.post(live_server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": -1},
+                       headers={"x-request-id": "req-400"})
+        assert r.status_code == 400 and r.headers["x-request-id"] == "req-400"
+        r = httpx.get(live_server.url + "/v1/nowhere", headers={"x-request-id": "req-404"})
+        assert r.status_code == 404 and r.headers["x-request-id"] == "req-404"
+        r = httpx.get(live_server.url + "/health")  # an id is made up where the client sent none
+        assert len(r.headers["x-request-id"]) == 16
+        deadline = time.monotonic() + 5
+        seen: dict[str, object] = {}
+        while time.monotonic() < deadline and len(seen) < 2:
+            for rec in caplog.records:
+                if rec.name == "tokenloom.access":
+                    line = json.loads(rec.getMessage())
+                    if line["request_id"] in ("req-400", "req-404"):
+                        seen[str(line["request_id"])] = line["status"]
+            time.sleep(0.02)
+    assert seen == {"req-400": 400, "req-404": 404}
 
 
 def test_queue_full_is_429_end_to_end(tiny_llama: Path) -> None:

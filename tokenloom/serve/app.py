@@ -9,12 +9,11 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -99,6 +98,50 @@ class OllamaBodiesAreJSON:
         await self.app(scope, receive, send)
 
 
+class AuthAndLog:
+    """The API-key check (401 outside OPEN_PATHS) and one access-log line per request, written once the
+    response (a whole SSE / NDJSON stream included) has been sent; every response gets `x-request-id`.
+    Handlers count tokens into `request.state.usage`, which the line reports.
+
+    A plain ASGI middleware, not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware runs the route in
+    a second task and hands every body chunk across a memory stream, two task switches per streamed token
+    per request (docs/performance-notes.md, "Serving overhead")."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None,
+                 fail: Callable[[Request, Exception], JSONResponse]) -> None:
+        self.app, self.api_key, self.fail = app, api_key, fail
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.monotonic()
+        request = Request(scope)
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
+        # Handlers and their streams fill this in as tokens are counted; it is logged at the very end.
+        request.state.usage = usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        status = 500  # what the client sees if the app fails before it starts a response
+        rid_header = (b"x-request-id", rid.encode("latin-1"))
+
+        async def tagged(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), rid_header]}
+            await send(message)
+
+        try:
+            if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                    await self.fail(request, Unauthorized("missing or wrong API key (Authorization: Bearer ...)"))(
+                        scope, receive, tagged)
+                    return
+            await self.app(scope, receive, tagged)
+        finally:
+            _log(rid, request, status, start, usage)
+
+
 def _too_large(scope: Scope, limit: int) -> JSONResponse:
     exc = BodyTooLarge(limit)
     if str(scope.get("path", "")).startswith("/api/"):
@@ -136,7 +179,7 @@ def build_app(
     app.include_router(ollama_router)
     app.include_router(kv_router)
     install_openapi(app, OPEN_PATHS)  # documents the 400s (not 422s) and error bodies the routes answer
-    # Added before auth_and_log, so it runs inside it: a 413 is logged, and an unauthorized client gets 401.
+    # Added before AuthAndLog, so they run inside it: a 413 is logged, and an unauthorized client gets 401.
     app.add_middleware(BodyLimit, limit=max_request_bytes)
     app.add_middleware(OllamaBodiesAreJSON)
 
@@ -144,23 +187,8 @@ def build_app(
         resp = error_response(exc)
         return _to_ollama(resp) if _ollama_style(request) else resp
 
-    @app.middleware("http")
-    async def auth_and_log(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        start = time.monotonic()
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
-        # Handlers and their streams fill this in as tokens are counted; it is logged at the very end.
-        request.state.usage = usage = {"prompt_tokens": 0, "completion_tokens": 0}
-        if api_key is not None and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                response: Response = fail(request, Unauthorized("missing or wrong API key (Authorization: Bearer ...)"))
-                _log(rid, request, response.status_code, start, usage)
-                return response
-        response = await call_next(request)
-        response.headers["x-request-id"] = rid
-        # Runs once the body (a whole SSE / NDJSON stream included) has been sent.
-        response.background = BackgroundTask(_log, rid, request, response.status_code, start, usage)
-        return response
+    # Last added, so outermost: it sees (and logs) every answer, the 413s and 401s included.
+    app.add_middleware(AuthAndLog, api_key=api_key, fail=fail)
 
     @app.exception_handler(TokenloomError)
     async def tokenloom_error(request: Request, exc: TokenloomError) -> JSONResponse:

@@ -91,9 +91,17 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-
 inline __m512 bf16x16(const c10::BFloat16* p, __mmask16 k) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
+// x (M, K) -> xb (Mp, Kp) bf16, zeros past K and in rows M..Mp-1 (AMX reads whole blocks of 16 rows).
+inline void pad_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t Mp, int64_t Kp, c10::BFloat16* xb) {
+  for (int64_t m = 0; m < M; ++m) {
+    std::memcpy(xb + m * Kp, x + m * K, K * sizeof(c10::BFloat16));
+    std::memset(xb + m * Kp + K, 0, (Kp - K) * sizeof(c10::BFloat16));
+  }
+  std::memset(xb + M * Kp, 0, (Mp - M) * Kp * sizeof(c10::BFloat16));
 }
 
 // x (M, K) -> X: xq (M, Kp) int8 (zeros from K), dx (M, Kp / 32), xs (M, G) per group of gs inputs, and
@@ -315,6 +323,50 @@ static inline void rows_all(const Tile* t, const Out* o, const Shape& s, const X
   }
 }
 
+// A parallel task's tile buffers for a pair of tiles: codes (2 x Kp / 4 steps x 64 bytes), scale and zp
+// (2 x G x 16 floats), isc (2 x G x 16 int32, integer sub-scales only) and wb (2 x Kp x 16 bf16, the
+// AMX-BF16 dot's decoded weight only). Per thread, shared by every call: a thread runs one task at a time.
+struct PairBuffers {
+  uint8_t* codes;
+  float* scale;
+  float* zp;
+  int32_t* isc;
+  c10::BFloat16* wb;
+};
+inline PairBuffers pair_buffers(const Shape& s, bool isub, bool bf16) {
+  thread_local std::vector<uint8_t> codes;
+  thread_local std::vector<float> scale, zp;
+  thread_local std::vector<int32_t> isc;
+  thread_local std::vector<c10::BFloat16> wb;
+  return {scratch(codes, 2 * s.Kp * kCh), scratch(scale, 2 * s.G * kCh), scratch(zp, 2 * s.G * kCh),
+          isub ? scratch(isc, 2 * s.G * kCh) : nullptr, bf16 ? scratch(wb, 2 * s.Kp * kCh) : nullptr};
+}
+
+// Tiles are computed two at a time: pair p is tiles 2p and 2p + 1 (channels 32p ..), the last one alone
+// where the layer has an odd number of tiles.
+inline int64_t num_pairs(const Shape& s) { return (s.N + 2 * kCh - 1) / (2 * kCh); }
+// ~2 M multiply-adds per parallel task at least, so that small layers stay on the calling thread.
+inline int64_t pair_grain(const Shape& s, int64_t M) {
+  return std::max<int64_t>(1, (int64_t{1} << 21) / (M * s.Kp * 2 * kCh));
+}
+
+// Pair p's tiles decoded by `fill` into b (see linear) with their outputs' channels, store mask and bias;
+// returns how many (1 or 2).
+template <typename Fill>
+inline int fill_pair(Fill& fill, const Shape& s, const c10::BFloat16* bias, int64_t p, const PairBuffers& b,
+                     Tile (&t)[2], Out (&o)[2]) {
+  int cb = 0;
+  for (; cb < 2 && (2 * p + cb) * kCh < s.N; ++cb) {
+    const int64_t n0 = (2 * p + cb) * kCh, r = std::min(kCh, s.N - n0);
+    t[cb] = fill(n0, r, b.codes + cb * s.Kp * kCh, b.scale + cb * s.G * kCh, b.zp + cb * s.G * kCh,
+                 b.isc == nullptr ? nullptr : b.isc + cb * s.G * kCh);
+    o[cb].n0 = n0;
+    o[cb].k = static_cast<__mmask16>((1u << r) - 1);
+    o[cb].bias = bias == nullptr ? _mm512_setzero_ps() : bf16x16(bias + n0, o[cb].k);
+  }
+  return cb;
+}
+
 // The kernel for the shape's groups: integer sub-scales (Q6_K), 16 inputs, 32 (GGUF's Q4_0 .. Q8_0, Q4_K,
 // Q5_K, Q5_0), longer. ISUB is a template argument, not a branch on s.zcode: with the integer path's code in
 // the same function, GCC compiled the other formats' loops about 1.3-2x slower (int8 per channel at 16-64
@@ -351,35 +403,18 @@ at::Tensor bf16_linear(const at::Tensor& x, const Shape& s, const c10::BFloat16*
   const int64_t M = x.size(0);
   thread_local std::vector<c10::BFloat16> xb_buf;
   c10::BFloat16* xb = scratch(xb_buf, Mp * s.Kp);
-  amx::pad_x(x.data_ptr<c10::BFloat16>(), M, s.K, Mp, s.Kp, xb);
+  pad_rows(x.data_ptr<c10::BFloat16>(), M, s.K, Mp, s.Kp, xb);
   at::Tensor y = at::empty({M, s.N}, x.options());
   auto* yp = y.data_ptr<c10::BFloat16>();
-  const int64_t pairs = (s.N + 2 * kCh - 1) / (2 * kCh);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 21) / (M * s.Kp * 2 * kCh));
   const int64_t kend = s.G * s.gs;
-  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<uint8_t> codes_buf;
-    thread_local std::vector<float> scale_buf, zp_buf;
-    thread_local std::vector<c10::BFloat16> wb_buf;
-    uint8_t* codes = scratch(codes_buf, 2 * s.Kp * kCh);
-    float* scale = scratch(scale_buf, 2 * s.G * kCh);
-    float* zp = scratch(zp_buf, 2 * s.G * kCh);
-    c10::BFloat16* wbuf = scratch(wb_buf, 2 * s.Kp * kCh);
+  at::parallel_for(0, num_pairs(s), pair_grain(s, M), [&](int64_t begin, int64_t end) {
+    const PairBuffers b = pair_buffers(s, /*isub=*/false, /*bf16=*/true);
+    c10::BFloat16* const wb[2] = {b.wb, b.wb + s.Kp * kCh};
     amx::configure_bf16();
     for (int64_t p = begin; p < end; ++p) {
-      Out o[2];
       Tile t[2];
-      c10::BFloat16* wb[2];
-      int cb = 0;
-      for (; cb < 2 && (2 * p + cb) * kCh < s.N; ++cb) {
-        const int64_t n0 = (2 * p + cb) * kCh, r = std::min(kCh, s.N - n0);
-        t[cb] = fill(n0, r, codes + cb * s.Kp * kCh, scale + cb * s.G * kCh, zp + cb * s.G * kCh, nullptr);
-        wb[cb] = wbuf + cb * s.Kp * kCh;
-        o[cb].n0 = n0;
-        o[cb].k = static_cast<__mmask16>((1u << r) - 1);
-        o[cb].bias = bias == nullptr ? _mm512_setzero_ps() : bf16x16(bias + n0, o[cb].k);
-      }
-      if (cb == 2) amx::bf16_rows<2>(wb, t, kend, o, s, xb, M, yp);
+      Out o[2];
+      if (fill_pair(fill, s, bias, p, b, t, o) == 2) amx::bf16_rows<2>(wb, t, kend, o, s, xb, M, yp);
       else amx::bf16_rows<1>(wb, t, kend, o, s, xb, M, yp);
     }
     _tile_release();
@@ -420,32 +455,15 @@ at::Tensor linear(const at::Tensor& x, const Shape& s, const c10::BFloat16* bias
   const X xv{xq, dx, xs, xz, s.Kp, s.G};
   at::Tensor y = at::empty({M, s.N}, x.options());
   auto* yp = y.data_ptr<c10::BFloat16>();
-  const int64_t pairs = (s.N + 2 * kCh - 1) / (2 * kCh);  // tiles are computed two at a time
-  // ~2 M multiply-adds per task at least, so that small layers stay on the calling thread.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 21) / (M * s.Kp * 2 * kCh));
-  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<uint8_t> codes_buf;
-    thread_local std::vector<float> scale_buf, zp_buf;
-    thread_local std::vector<int32_t> isc_buf;
-    uint8_t* codes = scratch(codes_buf, 2 * s.Kp * kCh);
-    float* scale = scratch(scale_buf, 2 * s.G * kCh);
-    float* zp = scratch(zp_buf, 2 * s.G * kCh);
-    int32_t* isc = ISUB ? scratch(isc_buf, 2 * s.G * kCh) : nullptr;
+  at::parallel_for(0, num_pairs(s), pair_grain(s, M), [&](int64_t begin, int64_t end) {
+    const PairBuffers b = pair_buffers(s, ISUB, /*bf16=*/false);
 #ifdef TOKENLOOM_QTILE_AMX
     if (amx) s.gs == 16 ? amx::configure<16>() : amx::configure<32>();
 #endif
     for (int64_t p = begin; p < end; ++p) {
       Tile t[2];
       Out o[2];
-      int cb = 0;
-      for (; cb < 2 && (2 * p + cb) * kCh < s.N; ++cb) {
-        const int64_t n0 = (2 * p + cb) * kCh, r = std::min(kCh, s.N - n0);
-        t[cb] = fill(n0, r, codes + cb * s.Kp * kCh, scale + cb * s.G * kCh, zp + cb * s.G * kCh,
-                     isc == nullptr ? nullptr : isc + cb * s.G * kCh);
-        o[cb].n0 = n0;
-        o[cb].k = static_cast<__mmask16>((1u << r) - 1);
-        o[cb].bias = bias == nullptr ? _mm512_setzero_ps() : bf16x16(bias + n0, o[cb].k);
-      }
+      const int cb = fill_pair(fill, s, bias, p, b, t, o);
 #ifdef TOKENLOOM_QTILE_AMX
       if (amx) {
         amx_rows_for(t, o, cb, s, xv, M, yp);

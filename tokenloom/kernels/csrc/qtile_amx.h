@@ -49,18 +49,23 @@ struct alignas(64) Config {  // ldtilecfg's 64-byte operand, palette 1
   uint8_t rows[16] = {};
 };
 
+// The configuration is per thread, and oneDNN's AMX kernels load their own between our calls: every
+// parallel task loads ours before its first tile instruction.
+inline void load(const Config& c) {
+  // Not _tile_loadconfig: GCC 12's asm for it declares only 8 bytes of the operand read, and the other
+  // 56 bytes' stores were dropped as dead (ldtilecfg then faulted on a garbage configuration).
+  asm volatile("ldtilecfg %0" ::"m"(c));
+}
+
 // Tiles 0 and 3: x (16 rows x SPAN bytes); 1 and 4: codes (SPAN / 4 rows x 64 bytes); 2 and 5: the sums
-// (16 x 16 int32). The configuration is per thread, and oneDNN's AMX kernels load their own between our
-// calls: every parallel task loads it before its first tile instruction.
+// (16 x 16 int32).
 template <int SPAN>
 inline void configure() {
   Config c;
   for (int t : {0, 3}) c.rows[t] = kBlockRows, c.colsb[t] = SPAN;
   for (int t : {1, 4}) c.rows[t] = SPAN / 4, c.colsb[t] = 64;
   for (int t : {2, 5}) c.rows[t] = kBlockRows, c.colsb[t] = 64;
-  // Not _tile_loadconfig: GCC 12's asm for it declares only 8 bytes of the operand read, and the other
-  // 56 bytes' stores were dropped as dead (ldtilecfg then faulted on a garbage configuration).
-  asm volatile("ldtilecfg %0" ::"m"(c));
+  load(c);
 }
 
 // One span's sums (c: 16 rows x 16 channels, int32) into the rows' outputs, as `dot` does it: times dx and
@@ -146,10 +151,6 @@ inline void rows_all(const Tile* t, const Out* o, int cb, const Shape& s, const 
       block<SPAN, LONG>(t[c], o[c], s, x, m0, std::min(kBlockRows, M - m0), y);
 }
 
-}  // namespace qtile::amx
-
-namespace qtile::amx {
-
 // --- the bf16 dot -----------------------------------------------------------------------------------
 
 constexpr int64_t kStep = 32;  // inputs per tdpbf16ps: 16 rows of B, two bf16 of one channel each per dword
@@ -159,7 +160,7 @@ constexpr int64_t kStep = 32;  // inputs per tdpbf16ps: 16 rows of B, two bf16 o
 inline void configure_bf16() {
   Config c;
   for (int t = 0; t < 8; ++t) c.rows[t] = kBlockRows, c.colsb[t] = 64;
-  asm volatile("ldtilecfg %0" ::"m"(c));
+  load(c);
 }
 
 // Index vectors of bf16_fill: rep[h] lane l = channel 4h + l / 4 (a quarter of a code step widened to 16
@@ -269,19 +270,6 @@ inline void bf16_rows(c10::BFloat16* const* wb, const Tile* t, int64_t kend, con
   int64_t m0 = 2 * kBlockRows;
   for (; m0 + kBlockRows < M; m0 += 2 * kBlockRows) bf16_blocks<2, CB, false>(wb, t, kend, o, s, xb, m0, M, y);
   if (m0 < M) bf16_blocks<1, CB, false>(wb, t, kend, o, s, xb, m0, M, y);
-}
-
-// x (M, K) -> (Mp, Kp) bf16, zeros past K and past M (whole blocks of 16 rows).
-inline void pad_x(const c10::BFloat16* x, int64_t M, int64_t K, int64_t Mp, int64_t Kp, c10::BFloat16* xb) {
-  for (int64_t m = 0; m < Mp; ++m) {
-    c10::BFloat16* dst = xb + m * Kp;
-    if (m < M) {
-      std::memcpy(dst, x + m * K, K * sizeof(c10::BFloat16));
-      std::memset(dst + K, 0, (Kp - K) * sizeof(c10::BFloat16));
-    } else {
-      std::memset(dst, 0, Kp * sizeof(c10::BFloat16));
-    }
-  }
 }
 
 }  // namespace qtile::amx

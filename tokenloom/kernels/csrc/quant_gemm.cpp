@@ -447,8 +447,9 @@ at::Tensor expanded_linear(const QWeight& w, const at::Tensor& xt, int64_t Kp, c
 // x (M, K) -> xp (M, Kp), zero-padded; in kernel order (int8: one two-source permute per 64-input
 // chunk) or as it is (int4).
 void pad_x(const c10::BFloat16* x, int64_t M, int64_t K, int64_t Kp, bool permute, c10::BFloat16* xp) {
+  if (!permute) return qtile::pad_rows(x, M, K, M, Kp, xp);
   alignas(64) int16_t src[64];
-  for (int p = 0; p < 64; ++p) src[p] = static_cast<int16_t>(permute ? chunk_input(p) : p);
+  for (int p = 0; p < 64; ++p) src[p] = static_cast<int16_t>(chunk_input(p));
   const __m512i idx_lo = _mm512_load_si512(src), idx_hi = _mm512_load_si512(src + 32);
   for (int64_t m = 0; m < M; ++m) {
     const c10::BFloat16* xr = x + m * K;
