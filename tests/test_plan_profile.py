@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -152,6 +153,34 @@ def test_profile_of_a_tiny_model_is_a_fittable_json(tiny_llama: Path, tmp_path: 
     assert len(saved["rel_errors"]) == len(samples)
     s = simulate(back, FleetConfig(), poisson(2.0, 5, 20, 4, seed=0))
     assert all(r.end is not None for r in s.records)
+
+
+def test_profiled_decode_rows_each_read_their_own_context(tiny_llama: Path) -> None:
+    # Served requests have their own prompts, so a batch of decodes reads as many K/V blocks as it has rows.
+    # Rows sharing one cached prompt would share its blocks, which then stay in the CPU's cache: such steps
+    # were priced ~35% low at 16-64 rows on a machine with slow memory (docs/benchmarks.md, run 10).
+    from tokenloom.engine.engine import LLMEngine
+    from tokenloom.plan.profile import run_grid
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_num_seqs=8, max_num_batched_tokens=64,
+                                    kv_cache_memory="32MiB"))
+    grid = ProfileGrid(decode_rows=(1, 7), context_lens=(48,), decode_steps=2, mixed_prompt_len=24, warmup_steps=1,
+                       prefill_lens=(8,), prefill_repeats=1)
+    decode_tables: list[list[list[int]]] = []
+    real_step = engine.step
+
+    def step() -> list[Any]:
+        seqs = [s for r in engine.requests.values() for s in r.seqs if not s.status.finished]
+        if len(seqs) == 7 and all(s.num_computed_tokens >= 48 for s in seqs):
+            decode_tables.append([list(s.block_ids) for s in seqs])
+        return real_step()
+
+    engine.step = step  # type: ignore[method-assign]
+    run_grid(engine, grid)
+    assert decode_tables, "no 7-row decode step"
+    for tables in decode_tables:
+        blocks = [b for t in tables for b in t]
+        assert len(blocks) == len(set(blocks)), tables  # no block read by two rows
 
 
 def test_replay_of_bench_records(tmp_path: Path) -> None:

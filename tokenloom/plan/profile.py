@@ -4,10 +4,12 @@ Every step is a real `LLMEngine.step()` of the engine built from the given flags
 chunk size, ...): its wall time is measured around the call, and its rows (num_new_tokens,
 num_computed_tokens) are read from the batch the engine's own scheduler made, through a recorder wrapped
 around that one engine instance's `schedule` (nothing in the engine changes). The grid:
-- decode: R rows at context L for each R in --decode-rows and L in --context-lens. The first request
-  computes the prompt (prefill chunks of up to max_num_batched_tokens at growing offsets: these are timed
-  too), the R - 1 others find it in the prefix cache (so 128 rows at 2,048 tokens cost one prefill, not
-  128) and compute only its last block; then --decode-steps decode steps are timed;
+- decode: R rows at context L for each R in --decode-rows and L in --context-lens, each row its own prompt
+  of L tokens computed in full (prefill chunks of up to max_num_batched_tokens at growing offsets: these
+  are timed too), so that R rows read R contexts' K/V as served requests do; then --decode-steps decode
+  steps are timed. (Until 2026-12-05 the R - 1 other rows were prefix hits of the first one's prompt: one
+  prefill instead of R, but the rows then read the same K/V blocks, which stayed in the CPU's cache, and
+  16-64-row steps were priced ~35% low on a 2-core Xeon with slow memory: docs/benchmarks.md, run 10);
 - mixed: while the R rows decode, one fresh prompt of --mixed-prompt-len tokens joins (a step with decodes
   and a prefill chunk);
 - lone prefills (--prefill-lens x --prefill-repeats): a fresh prompt of each length alone on the idle engine
@@ -156,7 +158,10 @@ def run_grid(engine: Any, grid: ProfileGrid, seed: int = 0,
             ids_all = [add(ids, room)]
             while prefilling():
                 step()
-            ids_all += [add(ids, room) for _ in range(rows - 1)]  # prefix hits: only the last block computes
+            # Every row its own context, as served requests have: rows sharing one cached prompt would read
+            # the same K/V blocks, which then stay in cache, and their steps priced ~35% low at 16-64 rows on
+            # a 2-core Xeon whose memory is slow (docs/benchmarks.md, plan validation run 10).
+            ids_all += [add(prompt(ctx), room) for _ in range(rows - 1)]
             while prefilling():
                 step()
             for _ in range(grid.decode_steps):
