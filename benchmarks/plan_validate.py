@@ -6,9 +6,9 @@ same workloads with `tokenloom plan` from a profile taken in the same run, and c
                                        [--calibration-prompts 16] [--calibration-rate 0.4]
                                        [--out results/plan_validate]
 
-About 15-20 minutes on the 2-core machine with the defaults at the knees predicted so far (profile ~2 min;
-per set-up: start, ~1 min of calibration, then --repeats 3 sweeps of four Poisson rates of 40 requests
-each, stop; a point's arrivals take 40 / rate seconds, so the lowest rate costs the most). Four rates (1/4
+About 15-20 minutes on the 2-core machine with the defaults at the knees predicted so far (profile ~4
+min, each decode row having its own prompt; per set-up: start, ~1 min of calibration, then --repeats 3
+sweeps of four Poisson rates of 40 requests each, stop; a point's arrivals take 40 / rate seconds, so the lowest rate costs the most). Four rates (1/4
 .. 2 x the predicted knee), not five as before --repeats: the 1/8 point alone took as long as the other
 four together, and three repeats of five run about 10 minutes longer, up to 35 where a fleet's predicted
 knee is low (`--rate-fractions 0.125,0.25,0.5,1,2` brings it back). Keep the machine otherwise quiet.

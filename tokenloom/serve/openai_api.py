@@ -68,9 +68,9 @@ CLIENT_GONE = 499  # nginx's "client closed request": the status logged for a no
 
 async def _disconnected(request: Request) -> None:
     """Returns once the client has hung up. The body is read by now, so the next ASGI message is the
-    disconnect (as StreamingResponse listens for it). `request.is_disconnected()` cannot be used: under the
-    app's http middleware (BaseHTTPMiddleware) its zero-timeout receive loses the message and never says
-    True."""
+    disconnect (as StreamingResponse listens for it). Not `request.is_disconnected()`: that only polls, with
+    a zero-timeout receive (under the BaseHTTPMiddleware the app had until 2026-12-05 the poll even lost the
+    message and never said True); this waits."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
