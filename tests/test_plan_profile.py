@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
