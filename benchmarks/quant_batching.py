@@ -18,6 +18,7 @@ import argparse
 import platform
 import statistics
 import time
+from dataclasses import replace
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.models.default import default_model_path
@@ -25,7 +26,7 @@ from tokenloom.models.default import default_model_path
 ENGINES = {
     "bf16": dict(gguf_weights="dequantize"),
     "Q4_1": dict(),
-    # the start-up routing with the tiles' dot forced (DOT), for an AMX CPU
+    # the start-up routing with the tiles' dot forced ("Q4_1 <dot>", a dot of quant/routing.py DOTS), for an AMX CPU
     "Q4_1 vnni": dict(),
     "Q4_1 amx-int8": dict(),
     "Q4_1 amx-bf16": dict(),
@@ -73,9 +74,6 @@ def main() -> None:
         print(f"{u:5d} " + "".join(f"{c:>22s}" for c in cells))
 
 
-DOT = {"Q4_1 vnni": "vnni", "Q4_1 amx-int8": "amx-int8", "Q4_1 amx-bf16": "amx-bf16"}  # forced tile dots
-
-
 def _tile_max(name: str) -> int | None:
     return ENGINES[name].get("quant_tile_max_rows")
 
@@ -84,7 +82,7 @@ def _route(name: str) -> None:
     """Set the process-wide crossover this engine was built with (engines built later overwrote it)."""
     from tokenloom.config import EngineConfig
     from tokenloom.kernels import load_cpu_kernels
-    from tokenloom.quant.routing import DOTS, measured
+    from tokenloom.quant.routing import DOTS, apply, measured
 
     kernels = load_cpu_kernels()
     if kernels is None or name == "bf16":
@@ -92,9 +90,9 @@ def _route(name: str) -> None:
     rows = _tile_max(name)
     budget = EngineConfig.__dataclass_fields__["max_num_batched_tokens"].default  # the engines' (default) budget
     chosen = measured(kernels, budget)
-    kernels.set_quant_tile_max_rows(rows if rows is not None else chosen.tile_max_rows)
-    if hasattr(kernels, "set_quant_tile_dot"):
-        kernels.set_quant_tile_dot(DOTS.index(DOT.get(name, chosen.tile_dot)))
+    forced = name.removeprefix("Q4_1 ")  # "Q4_1 <dot>": the tiles' dot forced
+    apply(kernels, replace(chosen, tile_max_rows=rows if rows is not None else chosen.tile_max_rows,
+                           tile_dot=forced if forced in DOTS else chosen.tile_dot))
 
 
 if __name__ == "__main__":

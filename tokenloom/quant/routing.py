@@ -198,9 +198,11 @@ def choose(kernels: ModuleType, tile_max_rows: int | None, max_rows: int) -> Qua
     else:
         if tile_max_rows < SKINNY_MAX_ROWS:
             raise ConfigError(f"--quant-tile-max-rows must be at least {SKINNY_MAX_ROWS}, got {tile_max_rows}")
-        # the dot still measured where there is more than one to choose from (AMX); nothing timed without
-        m = measured(kernels, max_rows) if len(dots_available(kernels)) > 1 else QuantRouting(0, "set", False)
-        routing = QuantRouting(tile_max_rows, "set", cpu_has_amx(), m.tile_dot, m.tile_dot_from)
+        dot, dot_from = "vnni", 0  # the only dot without AMX: nothing to time
+        if len(dots_available(kernels)) > 1:  # the dot is still measured where there is a choice (AMX)
+            m = measured(kernels, max_rows)
+            dot, dot_from = m.tile_dot, m.tile_dot_from
+        routing = QuantRouting(tile_max_rows, "set", cpu_has_amx(), dot, dot_from)
     apply(kernels, routing)
     log.info("%s", routing.describe())
     return routing
