@@ -49,6 +49,13 @@ knee is low (`--rate-fractions 0.125,0.25,0.5,1,2` brings it back). Keep the mac
    figures below the knee within 20%.
 Results: profile.json, profile-calibrated.json, one bench folder per set-up and repeat and per calibration
 run, validation.json (every repeat's rows and the median rows) and table.md in --out.
+
+    python benchmarks/plan_validate.py --rejudge results/plan_validate_t9 --profile P.json --out DIR
+
+judges a profile (or a changed cost model or calibration) against an earlier run's measurements without
+starting a server: the calibration runs, step trace and judged sweeps of that folder, the profile calibrated
+on all of them at once, as the last set-up's is above. A development tool: the run it reuses was measured on
+another day, so its table is not a validation (the machine's state, e.g. its shared cache, moves).
 """
 
 from __future__ import annotations
@@ -169,6 +176,28 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
         proc.terminate()
         proc.wait(180)
     return prof, folders
+
+
+def rejudge(src: Path, bare: Profile, a: argparse.Namespace) -> tuple[Profile, list[tuple[str, list[Path]]]]:
+    """An earlier run's measurements in `src`: `bare` calibrated on all its calibration runs, and each
+    set-up's judged sweeps (the bench folders {name}-r{i})."""
+    calibrated = {name: [f for f in (src / f"calibration-{name}", src / f"calibration-{name}-loaded") if f.is_dir()]
+                  for name in a.setups}
+    measured = [(name, sorted((d for d in src.glob(f"{name}-r*") if d.is_dir()),
+                              key=lambda d: int(d.name.rsplit("-r", 1)[1]))) for name in a.setups]
+    if not all(calibrated.values()) or not all(f for _, f in measured):
+        raise SystemExit(f"{src}: no calibration runs or judged sweeps of every set-up {a.setups}")
+    prof = bare
+    if not a.no_calibrate:
+        trace = src / "step-trace-calibration.csv"
+        cluster = (calibrated["cluster-2"], SETUPS["cluster-2"][1]) if "cluster-2" in calibrated else None
+        split = (calibrated["split-1P1D"], SETUPS["split-1P1D"][1]) if "split-1P1D" in calibrated else None
+        prof = calibrate(bare, calibrated["single"], SETUPS["single"][1], a.seed, cluster=cluster, split=split,
+                         step_traces=[trace] if trace.exists() and not a.no_step_trace else None,
+                         log=lambda m: print(m, flush=True))
+        prof.save(a.out / "profile-calibrated.json")
+        print(f"calibrated: {overheads_line(prof)}", flush=True)
+    return prof, measured
 
 
 def sweep(name: str, fleet: FleetConfig, prof: Profile, folder: Path, repeat: int,
@@ -309,7 +338,7 @@ def main() -> None:
                     help=f"comma-separated, in this order: {','.join(SETUPS)} (default: all)")
     ap.add_argument("--knee-efficiency", type=float, default=0.5)
     ap.add_argument("--profile", type=Path, default=None, help="reuse this profile instead of taking one")
-    ap.add_argument("--profile-args", default="--decode-rows 1,4,16,64 --context-lens 128,512,1024",
+    ap.add_argument("--profile-args", default="--decode-rows 1,2,4,8,16,32,64 --context-lens 128,512,1024",
                     help="grid flags for `plan profile`")
     ap.add_argument("--no-calibrate", action="store_true", help="simulate with the bare engine-step profile")
     ap.add_argument("--no-step-trace", action="store_true",
@@ -324,6 +353,8 @@ def main() -> None:
     ap.add_argument("--calibration-rate", type=float, default=0.4,
                     help="req/s of the Poisson calibration point (light: a request alone takes ~0.5 s here)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rejudge", type=Path, default=None,
+                    help="an earlier run's --out: judge --profile against its measurements, no servers")
     ap.add_argument("--out", type=Path, default=Path("results/plan_validate"))
     a = ap.parse_args()
     if a.repeats < 1 or a.num_prompts < 1:
@@ -332,6 +363,8 @@ def main() -> None:
         ap.error(f"--calibration-rate {a.calibration_rate:g} is one of --rates: calibration points must not be judged")
     if not a.no_calibrate and "single" not in a.setups:
         ap.error("calibration starts from the single server: include `single` in --setups (or --no-calibrate)")
+    if a.rejudge is not None and a.profile is None:
+        ap.error("--rejudge needs --profile (the profile to judge)")
     a.out.mkdir(parents=True, exist_ok=True)
     prof_path = a.profile or a.out / "profile.json"
     if a.profile is None:
@@ -341,7 +374,9 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     sweeps: list[dict[str, Any]] = []
     measured: list[tuple[str, list[Path]]] = []
-    for name in a.setups:
+    if a.rejudge is not None:
+        prof, measured = rejudge(a.rejudge, bare, a)
+    for name in a.setups if a.rejudge is None else []:
         prof, folders = run_setup(name, prof, calibrated, a, bare)
         measured.append((name, folders))
     # Every set-up is judged with the last profile, calibrated on every set-up's calibration points (a later

@@ -9,7 +9,9 @@ each a least-squares fit of a constant or a line to a few measured `bench serve`
      the measured median TPOT less the simulated one's engine part is regressed, non-negatively, on
      (1, mean running rows); or, given the server's step trace (`serve --step-trace`), each served decode
      step's time less the profile's price for its rows, regressed on (1, rows) (plan/host.py): thousands
-     of steps at every load the calibration runs reached, not two medians;
+     of steps at every load the calibration runs reached, not two medians. With a trace the step cost
+     itself is first fitted again to the profile's timed steps and the served ones together
+     (host.refit_cost): the served steps are the engine's in the state the judged runs find it in;
    - request_s (arrival -> enqueue, no engine held): the mean over the light points (`light`:
      concurrency 1, else the sparsest Poisson point) of measured median TTFT - simulated median TTFT
      without it. A constant
@@ -26,8 +28,9 @@ each a least-squares fit of a constant or a line to a few measured `bench serve`
 3. A split fleet (optional): handoff_s = measured - simulated median TTFT at its light points; and from
    its loaded points (e.g. concurrency 4), interference_step_s: how much the decode worker's streaming
    steps slow the prefill worker's steps on the shared host (the same search on the median TTFT gap).
-   It slows a colocated cluster's prefills too, so the router terms are fitted again with it (three
-   rounds).
+   It slows only a split fleet's prefill worker (plan/simulator.py), so the router terms are fitted once,
+   before it (until 2026-12-06 it slowed a colocated cluster's prefills too and the two were fitted in
+   turn, three rounds).
 Every term is clipped at 0 (a faster-than-simulated measurement means no such cost, not a negative one).
 Calibrate on points you will not judge the simulation by, then compare at others.
 """
@@ -223,8 +226,9 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     """Fit the module docstring's terms: `folders` of the single server (`fleet`), then optionally the
     router terms from `cluster`'s measured folders, and the handoff (light points) and the interference
     (loaded points) from `split`'s.
-    With `step_traces` (`serve --step-trace` of the same server's calibration runs) the per-step and per-row
-    overhead come from the traced steps themselves (plan/host.py) instead of the TPOT regression."""
+    With `step_traces` (`serve --step-trace` of the same server's calibration runs) the step cost is refitted
+    with the served steps, and the per-step and per-row overhead come from the traced steps themselves
+    (plan/host.py) instead of the TPOT regression."""
     points = [pt for folder in folders for pt in bench_points(folder) if pt[0].get("tpot_s_median") is not None]
     need = 1 if step_traces else 2
     if len(points) < need:
@@ -235,10 +239,14 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     response = float(np.mean([response_tail(trace) for _, trace in lights]))
     a = b = req = 0.0
     traced = None
+    refit = None
     if step_traces:
-        from tokenloom.plan.host import attribute, fit_overheads, load_trace
+        from tokenloom.plan.host import attribute, fit_overheads, load_trace, refit_cost
 
-        traced = fit_overheads(attribute(profile, load_trace(step_traces)))
+        trace = load_trace(step_traces)
+        profile, refit = refit_cost(profile, trace)
+        log(f"step trace: {refit}")
+        traced = fit_overheads(attribute(profile, trace))
         a, b = traced.step_s, traced.row_s
         log(f"step trace: {traced.line()}")
     used: list[dict[str, Any]] = []
@@ -273,33 +281,30 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     # (fleet, light points, loaded points) of each optional measured fleet
     c_pts = (cluster[1], *_light_and_loaded(cluster[0], "tpot_s_median")) if cluster is not None else None
     s_pts = (split[1], *_light_and_loaded(split[0], "ttft_s_median")) if split is not None else None
-    # The interference (from a loaded split point) also slows the cluster's prefills while the other worker
-    # streams, so the router terms are fitted again with it in place: alternate until they settle.
     fits: list[dict[str, Any]] = []
-    for _ in range(3 if c_pts is not None and s_pts is not None and s_pts[2] else 1):
-        fits = []
-        if c_pts is not None:
-            c_fleet, c_light, c_loaded = c_pts
-            if c_loaded:  # the router's per-token cost shows when both workers stream at once, not at concurrency 1
-                tok, r1 = _per_token_fit(out, c_fleet, c_loaded, seed, log)
-            else:
-                tok, r1 = _residual_fit("router_token_s", out, c_fleet, c_light, "tpot_s_median", seed, log)
-            out = replace(out, router_token_s=tok)
-            hop, r2 = _residual_fit("router_hop_s", out, c_fleet, c_light, "ttft_s_median", seed, log)
-            out = replace(out, router_hop_s=hop)
-            fits += r1 + r2
-        if s_pts is not None:
-            s_fleet, s_light, s_loaded = s_pts
-            handoff, r3 = _residual_fit("handoff_s", out, s_fleet, s_light, "ttft_s_median", seed, log)
-            out = replace(out, handoff_s=handoff)
-            fits += r3
-            if s_loaded:
-                inter, r4 = _interference_fit(out, s_fleet, s_loaded, seed, log)
-                out = replace(out, interference_step_s=inter)
-                fits += r4
+    if c_pts is not None:
+        c_fleet, c_light, c_loaded = c_pts
+        if c_loaded:  # the router's per-token cost shows when both workers stream at once, not at concurrency 1
+            tok, r1 = _per_token_fit(out, c_fleet, c_loaded, seed, log)
+        else:
+            tok, r1 = _residual_fit("router_token_s", out, c_fleet, c_light, "tpot_s_median", seed, log)
+        out = replace(out, router_token_s=tok)
+        hop, r2 = _residual_fit("router_hop_s", out, c_fleet, c_light, "ttft_s_median", seed, log)
+        out = replace(out, router_hop_s=hop)
+        fits += r1 + r2
+    if s_pts is not None:
+        s_fleet, s_light, s_loaded = s_pts
+        handoff, r3 = _residual_fit("handoff_s", out, s_fleet, s_light, "ttft_s_median", seed, log)
+        out = replace(out, handoff_s=handoff)
+        fits += r3
+        if s_loaded:
+            inter, r4 = _interference_fit(out, s_fleet, s_loaded, seed, log)
+            out = replace(out, interference_step_s=inter)
+            fits += r4
     return replace(out, calibration={"points": used, "residual_fits": fits, "folders": [str(f) for f in folders],
                                      "step_traces": [str(f) for f in step_traces or []],
                                      "step_trace_fit": None if traced is None else traced.line(),
+                                     "step_trace_cost": refit,
                                      "fleet_workers": fleet.workers,
                                      "cluster_folders": [str(f) for f in cluster[0]] if cluster else [],
                                      "split_folders": [str(f) for f in split[0]] if split else []})

@@ -59,6 +59,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     pr.add_argument("--decode-rows", type=_ints, default=[1, 4, 16, 64, 128])
     pr.add_argument("--context-lens", type=_ints, default=[128, 512, 2048])
     pr.add_argument("--decode-steps", type=int, default=4, help="timed decode steps per grid point")
+    pr.add_argument("--settle-steps", type=int, default=8,
+                    help="untimed decode steps before them (a step right after a prefill runs slower on CPU)")
     pr.add_argument("--mixed-prompt-len", type=int, default=256, help="prompt joining the decodes in a mixed step")
     pr.add_argument("--warmup-steps", type=int, default=8)
     pr.add_argument("--prefill-lens", type=_ints, default=[16, 64, 128, 256, 512],
@@ -158,8 +160,9 @@ def _fleet(args: argparse.Namespace, workers: int, prefill: int, seqs: int | Non
 def _profile(args: argparse.Namespace) -> int:
     from tokenloom.plan.profile import ProfileGrid, profile_engine
 
-    grid = ProfileGrid(tuple(args.decode_rows), tuple(args.context_lens), args.decode_steps, args.mixed_prompt_len,
-                       args.warmup_steps, tuple(args.prefill_lens), args.prefill_repeats)
+    grid = ProfileGrid(tuple(args.decode_rows), tuple(args.context_lens), args.decode_steps,
+                       args.settle_steps, args.mixed_prompt_len, args.warmup_steps, tuple(args.prefill_lens),
+                       args.prefill_repeats)
     prof = profile_engine(engine_config(args), grid, log=lambda m: print(m, file=sys.stderr, flush=True))
     prof.save(args.out)
     print(f"profile of {prof.model} ({prof.machine.get('cpu')}): {len(prof.fit['samples'])} steps, cost "

@@ -16,14 +16,20 @@ features are what dominates each phase of a CPU/GPU step:
   a chunk that continues a cached context reads the cache through the paged prefill kernel
   (attention/cpu.py's routing rule), and the two cost differently per pair: two profiles of SmolLM2 on
   the 2-core EPYC put the fresh path at 1.5x and 1.7x the paged one. This is the extra over prefill_pairs.
+- tokens_upto16, tokens_upto64: min(tokens, 16) and min(tokens, 64). With `tokens` they make the matmuls'
+  cost a concave piecewise-linear function of the flat batch's rows, its slope falling at 16 and at 64: a
+  batched matmul reads each weight once for all rows, so a row costs less the more rows share the read
+  (one line through 1..128 rows priced 1-4-row steps high and 16-32-row steps low on the 2-core Xeon:
+  served 1 / 8 / 16 / 32 / 64 / 128 rows took 5.2 / 14.2 / 26.1 / 42.2 / 66.7 / 96.1 ms, 1.3 ms a row up to
+  16, 0.8 from 32 to 64, 0.45 past 64). Non-negative coefficients keep it non-decreasing.
 So a lone prefill of n tokens costs fixed + has_chunk + rows + chunk_rows + n x tokens + quadratic terms
 in n: its cost depends on the chunk size through a slope and a curve fitted from lone prefills of several
 sizes (profile.py's grid), not through one constant.
 step_time = coef . features, coefficients >= 0 (non-negative least squares, so no phase has a negative
 cost that would make a bigger batch cheaper).
 
-Profiles saved before fresh_pairs existed (FEATURES_V1) still load: their coefficients with 0 for it
-predict exactly what they did.
+Profiles saved before fresh_pairs (FEATURES_V1) or the two tokens_upto features (FEATURES_V2) existed
+still load: their coefficients with 0 for the features they lack predict exactly what they did.
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ import numpy as np
 
 from tokenloom.errors import ConfigError
 
-FEATURES = ("fixed", "tokens", "rows", "decode_ctx", "prefill_pairs", "has_chunk", "chunk_rows", "fresh_pairs")
+FEATURES = ("fixed", "tokens", "rows", "decode_ctx", "prefill_pairs", "has_chunk", "chunk_rows", "fresh_pairs",
+            "tokens_upto16", "tokens_upto64")
 FEATURES_V1 = FEATURES[:7]  # profiles before fresh_pairs (2026-12-04)
+FEATURES_V2 = FEATURES[:8]  # profiles before the tokens_upto features (2026-12-06)
 Row = tuple[int, int]  # (num_new_tokens, num_computed_tokens before the step)
 
 
@@ -57,12 +65,12 @@ def features(rows: Sequence[Row]) -> list[float]:
     chunks = sum(1 for n, _ in rows if n > 1)
     fresh = sum(n * (n + 1) / 2 for n, c in rows if n > 1 and c == 0)
     return [1.0, float(tokens), float(len(rows)), float(decode_ctx), float(pairs), float(chunks > 0), float(chunks),
-            float(fresh)]
+            float(fresh), float(min(tokens, 16)), float(min(tokens, 64))]
 
 
 def nnls(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
     """Non-negative least squares, min |a x - b| with x >= 0, by Lawson-Hanson's active set method.
-    a: (m, k), b: (m,). Small k (8 features), so the plain algorithm is quick."""
+    a: (m, k), b: (m,). Small k (10 features), so the plain algorithm is quick."""
     m, k = a.shape
     x = np.zeros(k)
     passive = np.zeros(k, dtype=bool)
@@ -135,11 +143,12 @@ class LinearStepCost:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LinearStepCost:
         names, coef = list(d.get("features", [])), [float(c) for c in d["coef"]]
-        if names == list(FEATURES_V1) and len(coef) == len(FEATURES_V1):
-            coef += [0.0] * (len(FEATURES) - len(FEATURES_V1))  # the features it lacks cost nothing: same times
+        older = [list(v) for v in (FEATURES_V1, FEATURES_V2)]
+        if names in older and len(coef) == len(names):
+            coef += [0.0] * (len(FEATURES) - len(names))  # the features it lacks cost nothing: same times
         elif names != list(FEATURES):
-            raise ConfigError(f"profile's cost features {names!r} are neither {list(FEATURES)} nor the older "
-                              f"{list(FEATURES_V1)}: take the profile again with `tokenloom plan profile`")
+            raise ConfigError(f"profile's cost features {names!r} are neither {list(FEATURES)} nor an older set "
+                              f"{older}: take the profile again with `tokenloom plan profile`")
         return cls(tuple(coef))
 
 

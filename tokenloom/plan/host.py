@@ -19,7 +19,7 @@ contention that grows with the rows streamed, which light-load calibration point
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,7 @@ import pandas as pd
 
 from tokenloom.engine.step_trace import COLUMNS, parse_rows
 from tokenloom.errors import ConfigError
-from tokenloom.plan.cost_model import nnls
+from tokenloom.plan.cost_model import LinearStepCost, nnls
 from tokenloom.plan.profile_file import Profile
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -88,6 +88,27 @@ def fit_overheads(attributed: pd.DataFrame) -> HostFit:
     b = dec["overhead"].to_numpy(float)
     x = nnls(a, b)
     return HostFit(float(x[0]), float(x[1]), len(dec), float(np.median(np.abs(a @ x - b))))
+
+
+def refit_cost(profile: Profile, df: pd.DataFrame) -> tuple[Profile, str]:
+    """The profile's linear step cost fitted again to its own timed steps and the trace's served ones
+    together (each served step: its rows and `engine` time). A separate profiling process prices the steps
+    of the CPU's state at that moment; the served steps are the server's own at the runs being calibrated
+    (on the 2-core Xeon with 480 MiB of shared L3 a profiled 1-row step took 8.6 ms where the server's
+    took 5.2, docs/benchmarks.md, plan validation run 12). The profile's samples keep what the served
+    steps do not reach (long contexts, many rows, long prompts) in the fit. Returns the profile with the
+    new cost and a line saying what the fit used; an analytic profile (no timed steps) comes back as it
+    is."""
+    samples = profile.fit.get("samples") if isinstance(profile.cost, LinearStepCost) else None
+    if not samples:
+        return profile, "no timed steps in the profile: its cost is kept"
+    kept = profile.fit.get("kept") or [True] * len(samples)
+    own = [([tuple(r) for r in rows], float(t)) for (rows, t), k in zip(samples, kept) if k]
+    served = [(rows, float(t)) for rows, t in zip(df["rows_parsed"], df["engine"]) if rows and t > 0]
+    cost, keep = LinearStepCost.fit_robust(own + served)
+    left = len(keep) - sum(keep)
+    return (replace(profile, cost=cost),
+            f"cost refitted on {len(own)} profiled + {len(served)} served steps ({left} left out as slowed)")
 
 
 def bucket_table(attributed: pd.DataFrame) -> pd.DataFrame:

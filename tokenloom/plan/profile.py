@@ -4,12 +4,18 @@ Every step is a real `LLMEngine.step()` of the engine built from the given flags
 chunk size, ...): its wall time is measured around the call, and its rows (num_new_tokens,
 num_computed_tokens) are read from the batch the engine's own scheduler made, through a recorder wrapped
 around that one engine instance's `schedule` (nothing in the engine changes). The grid:
-- decode: R rows at context L for each R in --decode-rows and L in --context-lens, each row its own prompt
-  of L tokens computed in full (prefill chunks of up to max_num_batched_tokens at growing offsets: these
-  are timed too), so that R rows read R contexts' K/V as served requests do; then --decode-steps decode
-  steps are timed. (Until 2026-12-05 the R - 1 other rows were prefix hits of the first one's prompt: one
-  prefill instead of R, but the rows then read the same K/V blocks, which stayed in the CPU's cache, and
-  16-64-row steps were priced ~35% low on a 2-core Xeon with slow memory: docs/benchmarks.md, run 10);
+- decode: R rows at context L for each R in --decode-rows (fewest first) and L in --context-lens, each row
+  its own prompt of L tokens computed in full (prefill chunks of up to max_num_batched_tokens at growing
+  offsets: these are timed too), so that R rows read R contexts' K/V as served requests do (until
+  2026-12-05 the R - 1 other rows were prefix hits of the first one's prompt and read its K/V blocks,
+  which stayed in the CPU's cache: 16-64-row steps were priced ~35% low on a 2-core Xeon with slow memory,
+  docs/benchmarks.md, run 10); then --settle-steps decode steps untimed and --decode-steps timed.
+  Settling and the order are for the CPU's cache: on the 2-core Xeon (480 MiB of shared L3) a 1-row step
+  of the Q4_1 SmolLM2 takes ~9 ms right after a prefill and ~5 ms from about the 8th step on (the fused
+  decode and the LM head alike; by steps, not time: a pause does not shorten it), and after a point of
+  many rows at long contexts (GBs of K/V) 9 ms for 60 steps and more. Served at light load most decode
+  steps are settled ones (5.2 ms); timing the first four steps of each point, contexts outermost, priced
+  1-4-row steps 20-55% high (docs/benchmarks.md, plan validation run 12);
 - mixed: while the R rows decode, one fresh prompt of --mixed-prompt-len tokens joins (a step with decodes
   and a prefill chunk);
 - lone prefills (--prefill-lens x --prefill-repeats): a fresh prompt of each length alone on the idle engine
@@ -46,6 +52,7 @@ class ProfileGrid:
     decode_rows: tuple[int, ...] = (1, 4, 16, 64, 128)
     context_lens: tuple[int, ...] = (128, 512, 2048)
     decode_steps: int = 4  # timed decode steps per (rows, context) point
+    settle_steps: int = 8  # untimed decode steps before them (see the module docstring)
     mixed_prompt_len: int = 256
     warmup_steps: int = 8  # untimed steps first (kernel JIT, allocator, caches)
     prefill_lens: tuple[int, ...] = (16, 64, 128, 256, 512)  # lone prefills, at zero and at each context length
@@ -54,8 +61,9 @@ class ProfileGrid:
     def __post_init__(self) -> None:
         if not self.decode_rows or not self.context_lens or min(self.decode_rows) < 1 or min(self.context_lens) < 1:
             raise ConfigError("--decode-rows and --context-lens need positive values")
-        if self.decode_steps < 1 or self.mixed_prompt_len < 1 or self.warmup_steps < 0:
-            raise ConfigError("--decode-steps and --mixed-prompt-len must be >= 1, --warmup-steps >= 0")
+        if self.decode_steps < 1 or self.mixed_prompt_len < 1 or self.warmup_steps < 0 or self.settle_steps < 0:
+            raise ConfigError("--decode-steps and --mixed-prompt-len must be >= 1, --warmup-steps and "
+                              "--settle-steps >= 0")
         if (self.prefill_lens and min(self.prefill_lens) < 1) or self.prefill_repeats < 0:
             raise ConfigError("--prefill-lens need positive values, --prefill-repeats >= 0")
 
@@ -105,7 +113,7 @@ def run_grid(engine: Any, grid: ProfileGrid, seed: int = 0,
     vocab = engine.model_config.vocab_size
     samples: list[tuple[list[Row], float]] = []
     max_rows = engine.config.max_num_seqs
-    budget = engine.max_model_len - grid.decode_steps - 8
+    budget = engine.max_model_len - grid.settle_steps - grid.decode_steps - 8
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(vocab) for _ in range(n)]
@@ -142,28 +150,32 @@ def run_grid(engine: Any, grid: ProfileGrid, seed: int = 0,
     engine.reset_prefix_cache()
     if log is not None and grid.prefill_repeats:
         log(f"lone prefills {', '.join(map(str, grid.prefill_lens))}: {len(samples)} steps timed")
-    for ctx in grid.context_lens:
-        if ctx > budget - grid.mixed_prompt_len:
-            continue
-        for rows in grid.decode_rows:
-            if rows > max_rows - 1 and rows > 1:
-                rows = max_rows - 1  # leave a slot for the mixed step's prompt
-            ids = prompt(ctx)
-            if rows == grid.decode_rows[0]:  # once per context: lone chunks after a cached context of ctx
-                lone(ids)  # (the decode rows below then find all of it in the prefix cache)
-                for n in grid.prefill_lens:
-                    if ctx + n <= budget:
-                        lone(ids + prompt(n))
-            room = grid.decode_steps + 4 + grid.mixed_prompt_len // max(engine.config.max_num_batched_tokens, 1) + 2
-            ids_all = [add(ids, room)]
-            while prefilling():
-                step()
+    contexts = [ctx for ctx in grid.context_lens if ctx <= budget - grid.mixed_prompt_len]
+    for ctx in contexts:  # lone chunks after a cached context of ctx
+        ids = prompt(ctx)
+        lone(ids)
+        for n in grid.prefill_lens:
+            if ctx + n <= budget:
+                lone(ids + prompt(n))
+        engine.reset_prefix_cache()
+    # Fewest rows first, every context length for each: a few-row step reads little K/V, so the model's
+    # weights stay in a large CPU cache from one point to the next as they do in a lightly loaded server;
+    # after a point of many rows x long contexts (GBs of K/V) a 1-row step on the 2-core Xeon took 9 ms for
+    # 60 steps and more instead of the 5 ms served (the settling steps alone do not bring it back).
+    for rows in sorted(set(grid.decode_rows)):
+        if rows > max_rows - 1 and rows > 1:
+            rows = max_rows - 1  # leave a slot for the mixed step's prompt
+        for ctx in contexts:
+            room = (grid.settle_steps + grid.decode_steps + 4
+                    + grid.mixed_prompt_len // max(engine.config.max_num_batched_tokens, 1) + 2)
             # Every row its own context, as served requests have: rows sharing one cached prompt would read
             # the same K/V blocks, which then stay in cache, and their steps priced ~35% low at 16-64 rows on
             # a 2-core Xeon whose memory is slow (docs/benchmarks.md, plan validation run 10).
-            ids_all += [add(prompt(ctx), room) for _ in range(rows - 1)]
+            ids_all = [add(prompt(ctx), room) for _ in range(rows)]
             while prefilling():
                 step()
+            for _ in range(grid.settle_steps):
+                step(timed=False)
             for _ in range(grid.decode_steps):
                 step()
             ids_all.append(add(prompt(grid.mixed_prompt_len), 1))

@@ -27,7 +27,10 @@ step per second that the other workers stream tokens in slows a step that comput
 profile's `interference_step_s` seconds per second (the fleet's workers share the host the profile was
 calibrated on): a split fleet's prefill runs slower while its decode worker streams. Per streaming step,
 not per token: every step wakes the router, the client and the HTTP loops once, whatever its rows (on the
-2-core CPU this fitted the split fleet's TTFT better than a per-token charge, 1 and 2 req/s).
+2-core CPU this fitted the split fleet's TTFT better than a per-token charge, 1 and 2 req/s). Only a
+prefill worker's steps: applied to a colocated cluster's prefills too, the term fitted on the split fleet
+priced the 2-worker cluster's light-load TTFT 56-65% high (docs/benchmarks.md, plan validation runs 11
+and 12).
 """
 
 from __future__ import annotations
@@ -279,7 +282,9 @@ class Simulation:
             self._submit(worker, seq, now)
 
     def _kick(self, worker: SimWorker, now: float) -> None:
-        others = sum(w.stream_rate for w in self.workers if w is not worker) if self.profile.interference_step_s else 0.0
+        # Only a split fleet's prefill workers: see the module docstring.
+        slowed = self.profile.interference_step_s and worker.role == "prefill"
+        others = sum(w.stream_rate for w in self.workers if w is not worker) if slowed else 0.0
         dt = worker.start_step(others)
         if dt is not None:
             self._push(now + dt, _STEP_DONE, worker)
