@@ -19,7 +19,8 @@ knee is low (`--rate-fractions 0.125,0.25,0.5,1,2` brings it back). Keep the mac
    a. calibration runs, which are never judged (--calibration-prompts requests each, each bench call
       with its own seed, so that no judged prompt is in the server's prefix cache from them): every
       set-up at concurrency 1 (or --calibration-load poisson: at --calibration-rate), and the single
-      server also at concurrency 8 and 32, the 2-worker cluster at 8, the split fleet at 4. `plan calibrate`
+      server also at concurrency 8 and 32 and open loop at 0.75 x the knee the bare profile predicts
+      (OPEN_LOAD), the 2-worker cluster at 8, the split fleet at 4. `plan calibrate`
       then fits, with
       everything measured so far:
       per step + per row from the single server's step trace of those runs (`serve --step-trace`: each
@@ -89,6 +90,12 @@ SETUPS: dict[str, tuple[list[str], FleetConfig]] = {
 
 # The single server's per-row fit also needs loaded calibration points: concurrency 8, and 32 for the
 # contention of many streams (the step trace's fit sees every step of both).
+# And one open-loop point at OPEN_LOAD x the knee the profile predicts before calibration: Poisson arrivals
+# near saturation give many-row steps with prompt chunks in them, which closed loops at concurrency 1, 8
+# and 32 hardly make (run 12: 43 chunk steps in 2,414, 35 of them alone) and which the judged runs at and
+# above the knee are full of; the step cost refitted on the trace then prices them (run 12's judged
+# single-server steps with a chunk ran 4-6 ms over the price). Not one of the judged rates.
+OPEN_LOAD = 0.75
 # The cluster's router per-token cost shows only when both workers stream at once: concurrency 8.
 # The split fleet's interference (its decode worker's streams slowing its prefill worker) shows when prompts
 # arrive while others stream: concurrency 4.
@@ -110,15 +117,16 @@ def tl(*args: str) -> list[str]:
     return [sys.executable, "-m", "tokenloom.cli", *args]
 
 
-def predicted_rates(prof: Profile, fleet: FleetConfig, a: argparse.Namespace) -> list[float]:
-    """--rate-fractions (1/8 .. 2) x the simulated knee of `fleet` over a sweep of rates."""
+def predicted_rates(prof: Profile, fleet: FleetConfig, a: argparse.Namespace,
+                    fractions: list[float] | None = None) -> list[float]:
+    """`fractions` (default --rate-fractions: 1/4 .. 2) x the simulated knee of `fleet` over a sweep of rates."""
     grid = [0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, 12, 16]
     pts = []
     for r in grid:
         s = fleet_summary(simulate(prof, fleet, poisson(r, a.num_prompts, a.input_len, a.output_len, a.seed)))
         pts.append(SweepPoint(r, s["output_throughput"], s["e2el_s_p95"]))
     k = knee(pts, a.knee_efficiency) or grid[0]
-    return [k * f for f in a.rate_fractions]
+    return [k * f for f in (a.rate_fractions if fractions is None else fractions)]
 
 
 def bench(port: int, out: Path, load: list[str], a: argparse.Namespace, seed: int) -> Path:
@@ -151,6 +159,10 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
             if name in LOADED:
                 calibrated[name].append(bench(port, a.out / f"calibration-{name}-loaded", LOADED[name] + n, a,
                                               a.seed + 2000))
+            if name == "single":  # open loop near the knee: the step mix of the judged runs (see OPEN_LOAD)
+                rate = round(OPEN_LOAD * predicted_rates(prof, fleet, a, [1.0])[0], 2)
+                calibrated[name].append(bench(port, a.out / f"calibration-{name}-open",
+                                              ["--request-rate", f"{rate:g}"] + n, a, a.seed + 3000))
             if traced:  # the calibration runs' steps only (the engine flushes its trace when it goes idle)
                 snapshot = a.out / "step-trace-calibration.csv"
                 snapshot.write_bytes(trace.read_bytes())
@@ -163,9 +175,12 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
             prof.save(a.out / "profile-calibrated.json")
             print(f"calibrated: {overheads_line(prof)}", flush=True)
         rates = [round(r, 2) for r in (a.rates or predicted_rates(prof, fleet, a))]
-        if not a.no_calibrate and a.calibration_load == "poisson":
-            # A judged rate never equals the calibration's (set --rates accordingly; predicted ones move).
-            rates = [r + 0.01 if r == a.calibration_rate else r for r in rates]
+        if not a.no_calibrate:
+            # A judged rate never equals one of this set-up's calibration rates (set --rates accordingly;
+            # predicted ones move).
+            taken = {p["request_rate"] for f in calibrated[name]
+                     for p in json.loads((f / "summary.json").read_text())["points"] if p.get("request_rate")}
+            rates = [r + 0.01 if r in taken else r for r in rates]
         eta = a.repeats * sum(a.num_prompts / r for r in rates) / 60  # arrivals only; each drain adds a little
         print(f"== {name}: {a.repeats} x rates {', '.join(f'{r:.2g}' for r in rates)} req/s (about {eta:.0f} min)",
               flush=True)
@@ -181,7 +196,8 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
 def rejudge(src: Path, bare: Profile, a: argparse.Namespace) -> tuple[Profile, list[tuple[str, list[Path]]]]:
     """An earlier run's measurements in `src`: `bare` calibrated on all its calibration runs, and each
     set-up's judged sweeps (the bench folders {name}-r{i})."""
-    calibrated = {name: [f for f in (src / f"calibration-{name}", src / f"calibration-{name}-loaded") if f.is_dir()]
+    calibrated = {name: [f for f in (src / f"calibration-{name}", src / f"calibration-{name}-loaded",
+                                     src / f"calibration-{name}-open") if f.is_dir()]
                   for name in a.setups}
     measured = [(name, sorted((d for d in src.glob(f"{name}-r*") if d.is_dir()),
                               key=lambda d: int(d.name.rsplit("-r", 1)[1]))) for name in a.setups]
