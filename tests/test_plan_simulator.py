@@ -282,7 +282,7 @@ def test_interference_slows_only_a_split_fleets_prefill_worker() -> None:
     # 10 ms later off the prefill worker; the decode worker then takes it at its next step boundary (5 ms grid).
     assert 0.010 - 0.005 <= late <= 0.010 + 0.005
     # A colocated cluster's prefill is not slowed by the term (it priced the 2-worker cluster's light TTFT
-    # 56-65% high on the 2-core Xeon): worker 1's prefill at 6 ms, while worker 0 streams, is a plain 5 ms step.
+    # 61-65% high on the 2-core Xeon): worker 1's prefill at 6 ms, while worker 0 streams, is a plain 5 ms step.
     fleet = FleetConfig(workers=2, policy="round_robin", router=False)
     reqs = [SimRequest(0.0, tuple(range(1, 9)), 20), SimRequest(0.006, tuple(range(100, 108)), 2)]
     res = simulate(p, fleet, reqs)

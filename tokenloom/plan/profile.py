@@ -14,8 +14,11 @@ around that one engine instance's `schedule` (nothing in the engine changes). Th
   of the Q4_1 SmolLM2 takes ~9 ms right after a prefill and ~5 ms from about the 8th step on (the fused
   decode and the LM head alike; by steps, not time: a pause does not shorten it), and after a point of
   many rows at long contexts (GBs of K/V) 9 ms for 60 steps and more. Served at light load most decode
-  steps are settled ones (5.2 ms); timing the first four steps of each point, contexts outermost, priced
-  1-4-row steps 20-55% high (docs/benchmarks.md, plan validation run 12);
+  steps are settled ones (run 11's server: 5.2 ms), and its profile, which timed the first four steps of
+  each point with contexts outermost, priced 1-4-row steps 20-55% high. Even settled, a profiling process
+  can find the shared cache in another state than a server minutes later (8.6 ms against 5.2 on another
+  day): `plan calibrate` with a step trace fits the cost again with the served steps (plan/host.py
+  refit_cost; docs/benchmarks.md, plan validation run 12);
 - mixed: while the R rows decode, one fresh prompt of --mixed-prompt-len tokens joins (a step with decodes
   and a prefill chunk);
 - lone prefills (--prefill-lens x --prefill-repeats): a fresh prompt of each length alone on the idle engine

@@ -29,8 +29,8 @@ calibrated on): a split fleet's prefill runs slower while its decode worker stre
 not per token: every step wakes the router, the client and the HTTP loops once, whatever its rows (on the
 2-core CPU this fitted the split fleet's TTFT better than a per-token charge, 1 and 2 req/s). Only a
 prefill worker's steps: applied to a colocated cluster's prefills too, the term fitted on the split fleet
-priced the 2-worker cluster's light-load TTFT 56-65% high (docs/benchmarks.md, plan validation runs 11
-and 12).
+priced the 2-worker cluster's light-load TTFT 61-65% high (docs/benchmarks.md, plan validation run 11;
+run 12 without it: -9 to -14%).
 """
 
 from __future__ import annotations
