@@ -168,12 +168,7 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
                 snapshot.write_bytes(trace.read_bytes())
                 calibrated["trace"] = [snapshot]
             print(f"== calibrating with {', '.join(calibrated)}", flush=True)
-            cluster = (calibrated["cluster-2"], SETUPS["cluster-2"][1]) if "cluster-2" in calibrated else None
-            split = (calibrated["split-1P1D"], SETUPS["split-1P1D"][1]) if "split-1P1D" in calibrated else None
-            prof = calibrate(bare, calibrated["single"], SETUPS["single"][1], a.seed, cluster=cluster, split=split,
-                             step_traces=calibrated.get("trace"), log=lambda m: print(m, flush=True))
-            prof.save(a.out / "profile-calibrated.json")
-            print(f"calibrated: {overheads_line(prof)}", flush=True)
+            prof = calibrated_profile(bare, calibrated, a)
         rates = [round(r, 2) for r in (a.rates or predicted_rates(prof, fleet, a))]
         if not a.no_calibrate:
             # A judged rate never equals one of this set-up's calibration rates (set --rates accordingly;
@@ -193,6 +188,18 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
     return prof, folders
 
 
+def calibrated_profile(bare: Profile, calibrated: dict[str, list[Path]], a: argparse.Namespace) -> Profile:
+    """`bare` calibrated on the calibration folders of every set-up in `calibrated` (and its "trace", the
+    single server's step trace, if any); saved as profile-calibrated.json and printed."""
+    cluster = (calibrated["cluster-2"], SETUPS["cluster-2"][1]) if "cluster-2" in calibrated else None
+    split = (calibrated["split-1P1D"], SETUPS["split-1P1D"][1]) if "split-1P1D" in calibrated else None
+    prof = calibrate(bare, calibrated["single"], SETUPS["single"][1], a.seed, cluster=cluster, split=split,
+                     step_traces=calibrated.get("trace"), log=lambda m: print(m, flush=True))
+    prof.save(a.out / "profile-calibrated.json")
+    print(f"calibrated: {overheads_line(prof)}", flush=True)
+    return prof
+
+
 def rejudge(src: Path, bare: Profile, a: argparse.Namespace) -> tuple[Profile, list[tuple[str, list[Path]]]]:
     """An earlier run's measurements in `src`: `bare` calibrated on all its calibration runs, and each
     set-up's judged sweeps (the bench folders {name}-r{i})."""
@@ -203,17 +210,10 @@ def rejudge(src: Path, bare: Profile, a: argparse.Namespace) -> tuple[Profile, l
                               key=lambda d: int(d.name.rsplit("-r", 1)[1]))) for name in a.setups]
     if not all(calibrated.values()) or not all(f for _, f in measured):
         raise SystemExit(f"{src}: no calibration runs or judged sweeps of every set-up {a.setups}")
-    prof = bare
-    if not a.no_calibrate:
-        trace = src / "step-trace-calibration.csv"
-        cluster = (calibrated["cluster-2"], SETUPS["cluster-2"][1]) if "cluster-2" in calibrated else None
-        split = (calibrated["split-1P1D"], SETUPS["split-1P1D"][1]) if "split-1P1D" in calibrated else None
-        prof = calibrate(bare, calibrated["single"], SETUPS["single"][1], a.seed, cluster=cluster, split=split,
-                         step_traces=[trace] if trace.exists() and not a.no_step_trace else None,
-                         log=lambda m: print(m, flush=True))
-        prof.save(a.out / "profile-calibrated.json")
-        print(f"calibrated: {overheads_line(prof)}", flush=True)
-    return prof, measured
+    trace = src / "step-trace-calibration.csv"
+    if trace.exists() and not a.no_step_trace:
+        calibrated["trace"] = [trace]
+    return (bare if a.no_calibrate else calibrated_profile(bare, calibrated, a)), measured
 
 
 def sweep(name: str, fleet: FleetConfig, prof: Profile, folder: Path, repeat: int,

@@ -5,10 +5,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+if TYPE_CHECKING:
+    from tokenloom.plan.profile_file import Profile
+    from tokenloom.plan.simulator import FleetConfig
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -30,6 +35,29 @@ PROMPTS = [
     "def add(a, b): return a + b; print(add(1, 2)) " * 4,
     "1 2 3",
 ]
+
+
+def sim_bench_folder(folder: Path, prof: "Profile", fleet: "FleetConfig", loads: list[tuple[float, int | None]],
+                     num_prompts: int = 60, output_len: int = 32, seed: int = 5) -> Path:
+    """Simulated "reality" written as `bench serve` writes a results folder: one point per (Poisson rate,
+    concurrency label) of `num_prompts` 64-token prompts; a point labelled with a concurrency is recorded as a
+    closed-loop one."""
+    import pandas as pd
+
+    from tokenloom.plan.metrics import fleet_summary, to_bench_record
+    from tokenloom.plan.simulator import simulate
+    from tokenloom.plan.workload import poisson
+
+    folder.mkdir()
+    rows, points = [], []
+    for rate, conc in loads:
+        res = simulate(prof, fleet, poisson(rate, num_prompts, 64, output_len, seed=seed))
+        label = {"concurrency": conc, "request_rate": None if conc else rate}
+        points.append({"input_len": 64, **label, **fleet_summary(res)})
+        rows += [{**to_bench_record(r).to_row(), "input_len": 64, **label} for r in res.records]
+    (folder / "summary.json").write_text(json.dumps({"points": points}))
+    pd.DataFrame(rows).to_csv(folder / "records.csv", index=False)
+    return folder
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

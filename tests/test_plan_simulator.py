@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import sim_bench_folder
 from tokenloom.engine.block_pool import BlockPool
 from tokenloom.engine.kv_cache_manager import KVCacheManager
 from tokenloom.engine.scheduler import Scheduler
@@ -189,27 +190,6 @@ def test_split_handoff_adds_to_the_kv_transfer() -> None:
         replace(p, request_s=-0.1)
 
 
-def _bench_folder(folder: Path, prof: Profile, fleet: FleetConfig, loads: list[tuple[float, int | None]]) -> Path:
-    """Simulated "reality" written as `bench serve` writes a results folder: one point per (Poisson rate,
-    concurrency label); a point labelled with a concurrency is recorded as a closed-loop one."""
-    import json
-
-    import pandas as pd
-
-    from tokenloom.plan.metrics import to_bench_record
-
-    folder.mkdir()
-    rows, points = [], []
-    for rate, conc in loads:
-        res = simulate(prof, fleet, poisson(rate, 60, 64, 32, seed=5))
-        label = {"concurrency": conc, "request_rate": None if conc else rate}
-        points.append({"input_len": 64, **label, **fleet_summary(res)})
-        rows += [{**to_bench_record(r).to_row(), "input_len": 64, **label} for r in res.records]
-    (folder / "summary.json").write_text(json.dumps({"points": points}))
-    pd.DataFrame(rows).to_csv(folder / "records.csv", index=False)
-    return folder
-
-
 def test_calibration_recovers_known_serving_terms(tmp_path: Path) -> None:
     from tokenloom.plan.calibrate import bench_points, calibrate, light
 
@@ -221,9 +201,9 @@ def test_calibration_recovers_known_serving_terms(tmp_path: Path) -> None:
     real = replace(bare, overhead_step_s=0.003, overhead_row_s=0.0004, request_s=0.05, response_s=0.01,
                    router_hop_s=0.03, router_token_s=0.0015, handoff_s=0.04)
     split_fleet = FleetConfig(workers=1, prefill_workers=1)
-    single = _bench_folder(tmp_path / "single", real, FleetConfig(), [(0.2, None), (30.0, 8)])
-    cluster = _bench_folder(tmp_path / "cluster", real, FleetConfig(workers=2), [(0.2, None)])
-    split = _bench_folder(tmp_path / "split", real, split_fleet, [(0.2, None)])
+    single = sim_bench_folder(tmp_path / "single", real, FleetConfig(), [(0.2, None), (30.0, 8)])
+    cluster = sim_bench_folder(tmp_path / "cluster", real, FleetConfig(workers=2), [(0.2, None)])
+    split = sim_bench_folder(tmp_path / "split", real, split_fleet, [(0.2, None)])
     got = calibrate(bare, [single], FleetConfig(), cluster=([cluster], FleetConfig(workers=2)),
                     split=([split], split_fleet))
     assert got.overhead_step_s == pytest.approx(0.003, rel=0.3)
@@ -253,9 +233,9 @@ def test_interference_comes_from_a_loaded_split_point(tmp_path: Path) -> None:
     bare = profile((0.002, 1e-5, 2e-4))
     real = replace(bare, request_s=0.05, response_s=0.01, handoff_s=0.04, interference_step_s=0.002)
     split_fleet = FleetConfig(workers=1, prefill_workers=1)
-    single = _bench_folder(tmp_path / "single", replace(real, handoff_s=0.0, interference_step_s=0.0),
+    single = sim_bench_folder(tmp_path / "single", replace(real, handoff_s=0.0, interference_step_s=0.0),
                            FleetConfig(), [(0.2, None), (30.0, 8)])
-    split = _bench_folder(tmp_path / "split", real, split_fleet, [(0.2, None), (20.0, 4)])
+    split = sim_bench_folder(tmp_path / "split", real, split_fleet, [(0.2, None), (20.0, 4)])
     got = calibrate(bare, [single], FleetConfig(), split=([split], split_fleet))
     assert got.handoff_s == pytest.approx(0.04, rel=0.1)
     assert got.interference_step_s == pytest.approx(0.002, rel=0.1)
@@ -298,8 +278,8 @@ def test_router_token_cost_comes_from_a_loaded_cluster_point(tmp_path: Path) -> 
     bare = profile((0.002, 1e-5, 2e-4))
     real = replace(bare, overhead_step_s=0.003, overhead_row_s=0.0004, request_s=0.05, response_s=0.01,
                    router_hop_s=0.03, router_token_s=0.0015)
-    single = _bench_folder(tmp_path / "single", real, FleetConfig(), [(0.2, None), (30.0, 8)])
-    cluster = _bench_folder(tmp_path / "cluster", real, FleetConfig(workers=2), [(0.2, None), (30.0, 8)])
+    single = sim_bench_folder(tmp_path / "single", real, FleetConfig(), [(0.2, None), (30.0, 8)])
+    cluster = sim_bench_folder(tmp_path / "cluster", real, FleetConfig(workers=2), [(0.2, None), (30.0, 8)])
     got = calibrate(bare, [single], FleetConfig(), cluster=([cluster], FleetConfig(workers=2)))
     assert got.router_token_s == pytest.approx(0.0015, rel=0.05)
     assert got.router_hop_s == pytest.approx(0.03, rel=0.05)

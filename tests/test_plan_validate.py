@@ -11,14 +11,12 @@ from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
-import pandas as pd
 import pytest
 
+from conftest import sim_bench_folder
 from tokenloom.plan.cost_model import FEATURES, LinearStepCost
-from tokenloom.plan.metrics import fleet_summary, to_bench_record
 from tokenloom.plan.profile_file import Profile
-from tokenloom.plan.simulator import FleetConfig, simulate
-from tokenloom.plan.workload import poisson
+from tokenloom.plan.simulator import FleetConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,20 +29,6 @@ def _script() -> ModuleType:
     return mod
 
 
-def _folder(folder: Path, prof: Profile, fleet: FleetConfig, loads: list[tuple[float, int | None]],
-            seed: int) -> None:
-    """`bench serve`'s results folder of simulated runs: a point per (Poisson rate, concurrency label)."""
-    folder.mkdir()
-    rows, points = [], []
-    for rate, conc in loads:
-        res = simulate(prof, fleet, poisson(rate, 40, 64, 24, seed=seed))
-        label = {"concurrency": conc, "request_rate": None if conc else rate}
-        points.append({"input_len": 64, **label, **fleet_summary(res)})
-        rows += [{**to_bench_record(r).to_row(), "input_len": 64, **label} for r in res.records]
-    (folder / "summary.json").write_text(json.dumps({"points": points}))
-    pd.DataFrame(rows).to_csv(folder / "records.csv", index=False)
-
-
 def test_rejudge_of_a_simulated_reality_finds_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     coef = (0.004, 2e-4, 3e-4) + (0.0,) * (len(FEATURES) - 3)
     bare = Profile("measured", "fake", LinearStepCost(coef), 16, 2000, 1000.0, 16, 256, 4096)
@@ -54,13 +38,18 @@ def test_rejudge_of_a_simulated_reality_finds_it(tmp_path: Path, monkeypatch: py
     run = tmp_path / "run"
     run.mkdir()
     single, cluster = FleetConfig(workers=1), FleetConfig(workers=2)
-    _folder(run / "calibration-single", real, single, [(0.2, 1)], seed=1)
-    _folder(run / "calibration-single-loaded", real, single, [(40.0, 8)], seed=2)
-    _folder(run / "calibration-cluster-2", real, cluster, [(0.2, 1)], seed=3)
-    _folder(run / "calibration-cluster-2-loaded", real, cluster, [(60.0, 8)], seed=4)
+
+    def folder(path: Path, prof: Profile, fleet: FleetConfig, loads: list[tuple[float, int | None]],
+               seed: int) -> None:
+        sim_bench_folder(path, prof, fleet, loads, num_prompts=40, output_len=24, seed=seed)
+
+    folder(run / "calibration-single", real, single, [(0.2, 1)], seed=1)
+    folder(run / "calibration-single-loaded", real, single, [(40.0, 8)], seed=2)
+    folder(run / "calibration-cluster-2", real, cluster, [(0.2, 1)], seed=3)
+    folder(run / "calibration-cluster-2-loaded", real, cluster, [(60.0, 8)], seed=4)
     for i in range(2):
-        _folder(run / f"single-r{i}", real, single, [(5.0, None), (20.0, None)], seed=10 + i)
-        _folder(run / f"cluster-2-r{i}", real, cluster, [(10.0, None), (40.0, None)], seed=20 + i)
+        folder(run / f"single-r{i}", real, single, [(5.0, None), (20.0, None)], seed=10 + i)
+        folder(run / f"cluster-2-r{i}", real, cluster, [(10.0, None), (40.0, None)], seed=20 + i)
     prof_path = tmp_path / "bare.json"
     bare.save(prof_path)
     out = tmp_path / "out"

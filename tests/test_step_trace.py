@@ -134,6 +134,18 @@ def _profile(cost: LinearStepCost) -> Profile:
                    max_num_seqs=64, max_num_batched_tokens=256, max_model_len=1024)
 
 
+def _light_bench_folder(folder: Path) -> Path:
+    """A `bench serve` results folder of one light point (concurrency 1, six requests): enough with a trace
+    (the TPOT regression needs two)."""
+    folder.mkdir()
+    pd.DataFrame([{"input_len": 64, "input_tokens": 64, "output_len": 16, "output_tokens": 16, "concurrency": 1,
+                   "start": i * 0.5, "ttft": 0.08, "e2el": 0.3, "itl_mean": 0.014} for i in range(6)]
+                 ).to_csv(folder / "records.csv", index=False)
+    (folder / "summary.json").write_text(json.dumps({"points": [
+        {"input_len": 64, "concurrency": 1, "request_rate": None, "tpot_s_median": 0.014, "ttft_s_median": 0.08}]}))
+    return folder
+
+
 COST = LinearStepCost(tuple([5e-3, 1e-3, 2e-4, 1e-6, 2e-6, 4e-3, 1e-3, 1e-6, 5e-4, 2e-4][: len(FEATURES)]))
 
 
@@ -174,15 +186,7 @@ def test_calibrate_takes_the_per_row_overhead_from_the_trace(tmp_path: Path) -> 
     trace = tmp_path / "t.csv"
     _synthetic_trace(trace, COST, step_s=1.0e-3, row_s=0.5e-3)
     # One light bench point (concurrency 1): enough with a trace (the TPOT regression needs two).
-    folder = tmp_path / "bench"
-    folder.mkdir()
-    records = pd.DataFrame([{"input_len": 64, "input_tokens": 64, "output_len": 16, "output_tokens": 16,
-                             "concurrency": 1, "start": i * 0.5, "ttft": 0.08, "e2el": 0.3, "itl_mean": 0.014}
-                            for i in range(6)])
-    records.to_csv(folder / "records.csv", index=False)
-    point = {"input_len": 64, "concurrency": 1, "request_rate": None, "tpot_s_median": 0.014,
-             "ttft_s_median": 0.08}
-    (folder / "summary.json").write_text(json.dumps({"points": [point]}))
+    folder = _light_bench_folder(tmp_path / "bench")
     prof = calibrate(_profile(COST), [folder], FleetConfig(workers=1), step_traces=[trace])
     assert prof.overhead_step_s == pytest.approx(1.0e-3, abs=2e-6)
     assert prof.overhead_row_s == pytest.approx(0.5e-3, abs=2e-7)
@@ -239,13 +243,7 @@ def test_calibrate_refits_the_step_cost_with_the_served_steps(tmp_path: Path) ->
     assert refit.cost.step_time(many_long) == pytest.approx(COST.step_time(many_long), rel=0.2)
     assert line.startswith(f"cost refitted on {len(samples)} profiled + {len(served)} served steps")
     # calibrate does it before the overhead fit, and says so.
-    folder = tmp_path / "bench"
-    folder.mkdir()
-    pd.DataFrame([{"input_len": 64, "input_tokens": 64, "output_len": 16, "output_tokens": 16, "concurrency": 1,
-                   "start": i * 0.5, "ttft": 0.08, "e2el": 0.3, "itl_mean": 0.014} for i in range(6)]
-                 ).to_csv(folder / "records.csv", index=False)
-    (folder / "summary.json").write_text(json.dumps({"points": [
-        {"input_len": 64, "concurrency": 1, "request_rate": None, "tpot_s_median": 0.014, "ttft_s_median": 0.08}]}))
+    folder = _light_bench_folder(tmp_path / "bench")
     got = calibrate(prof, [folder], FleetConfig(workers=1), step_traces=[trace])
     assert got.cost == refit.cost and got.calibration["step_trace_cost"] == line
     # The per-step overhead is fitted against the refitted price (against the bare one, which prices the
