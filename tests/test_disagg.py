@@ -13,7 +13,8 @@ import torch
 
 from conftest import PROMPTS, LiveServer
 from tokenloom import LLM, SamplingParams
-from tokenloom.disagg.blocks import KVLayout, KVTransferError, export_prefix, import_prefix
+from tokenloom.disagg.blocks import (BlockRecord, KVLayout, KVTransferError, export_prefix, import_prefix,
+                                     read_blocks, write_blocks)
 from tokenloom.disagg.transfer import send_blocks
 from tokenloom.disagg.wire import decode_request, encode_request
 
@@ -69,6 +70,37 @@ def test_import_stops_when_the_pool_is_full_and_keeps_the_prefix(tiny_llama: Pat
     assert (written, present) == (5, 0) and len(records) > 5
     assert all(dst.engine.kv.pool.ref_counts[b] == 1 for b in busy)
     dst.engine.kv.pool.check_invariants()
+
+
+def test_a_short_payload_is_refused_before_any_block_is_indexed(tiny_llama: Path) -> None:
+    # Blocks are indexed first and written in one pass after: a payload that could not be written must
+    # be refused up front, or its block would be found by the next request with stale bytes in it.
+    ids = _llm(tiny_llama).tokenizer.encode(LONG)
+    src = _prefilled(tiny_llama, ids)
+    records = export_prefix(src.engine, ids)
+    bad = records[:-1] + [BlockRecord(records[-1].block_hash, records[-1].parent_hash, records[-1].tokens,
+                                      records[-1].payload[:-1])]
+    dst = _llm(tiny_llama)
+    free = dst.engine.kv.pool.num_free
+    with pytest.raises(KVTransferError, match="does not match the cache layout"):
+        import_prefix(dst.engine, KVLayout.of(src.engine), bad)
+    assert dst.engine.kv.pool.num_free == free and dst.engine.kv.pool.num_cached == 0
+    dst.engine.kv.pool.check_invariants()
+
+
+def test_blocks_read_and_written_in_one_pass_equal_block_by_block(tiny_llama: Path) -> None:
+    # read_blocks / write_blocks gather and scatter every cache tensor once for all blocks; the payload of
+    # each block is its slices of every tensor, layer by layer, as one block at a time would give.
+    ids = _llm(tiny_llama).tokenizer.encode(LONG)
+    src = _prefilled(tiny_llama, ids)
+    caches = src.engine.runner.kv_caches
+    blocks = [3, 0, 2]
+    want = [b"".join(t[b].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() for c in caches
+                     for t in c.tensors()) for b in blocks]
+    assert read_blocks(caches, blocks) == want
+    dst = _llm(tiny_llama)
+    write_blocks(dst.engine.runner.kv_caches, [5, 1, 4], want)
+    assert read_blocks(dst.engine.runner.kv_caches, [5, 1, 4]) == want
 
 
 def test_wire_rejects_corruption_and_mismatches(tiny_llama: Path) -> None:

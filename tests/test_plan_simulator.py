@@ -190,6 +190,27 @@ def test_split_handoff_adds_to_the_kv_transfer() -> None:
         replace(p, request_s=-0.1)
 
 
+def test_kv_export_and_import_hold_the_engines_between_steps() -> None:
+    # Steps take 10 ms; 32-token prompts = 2 full blocks; export 5 ms and import 20 ms per block; 1 KB/s
+    # link (3.2 s for 3,200 bytes) + .5 latency. No router terms (router=False).
+    p = Profile("measured", "fake", profile((0.01,)).cost, 16, 100, 100.0, 8, 64, 4096,
+                kv_export_s_per_block=0.005, kv_import_s_per_block=0.02)
+    fleet = FleetConfig(workers=1, prefill_workers=1, link_bandwidth=1000.0, link_latency_s=0.5, router=False)
+    # A alone: prefill .00-.01, export of 2 blocks to .02, ships to 3.72; the idle decode worker imports at
+    # once, 40 ms -> 3.76, then computes the last token: first token 3.77, second 3.78.
+    (a,) = simulate(p, fleet, [req(0.0, 32, 2)]).records
+    assert a.token_times == pytest.approx([3.77, 3.78])
+    # B arrives at .005, during A's prefill: its prompt goes in at .02 (the prefill worker is held by A's
+    # export until then), prefill .02-.03, export to .04, its blocks arrive at 3.74, while the decode
+    # worker imports A's: imported after that copy ends at 3.76, 40 ms -> 3.80 (A's row waits too: no
+    # step in between); then A's and B's rows step together: both first tokens at 3.81.
+    a, b = simulate(p, fleet, [req(0.0, 32, 20), req(0.005, 32, 2, 100)]).records
+    assert a.token_times[0] == pytest.approx(3.81) and b.token_times[0] == pytest.approx(3.81)
+    # Without the per-block times the same requests pay neither (the transfer alone, as before).
+    (c,) = simulate(replace(p, kv_export_s_per_block=0.0, kv_import_s_per_block=0.0), fleet, [req(0.0, 32, 2)]).records
+    assert c.token_times == pytest.approx([3.72, 3.73])
+
+
 def test_calibration_recovers_known_serving_terms(tmp_path: Path) -> None:
     from tokenloom.plan.calibrate import bench_points, calibrate, light
 

@@ -20,7 +20,8 @@ around that one engine instance's `schedule` (nothing in the engine changes). Th
   day): `plan calibrate` with a step trace fits the cost again with the served steps (plan/host.py
   refit_cost; docs/benchmarks.md, plan validation run 12);
 - mixed: while the R rows decode, one fresh prompt of --mixed-prompt-len tokens joins (a step with decodes
-  and a prefill chunk);
+  and a prefill chunk), then the same prompt again (a prefix hit but for its last block: a short chunk at
+  a long context beside the decodes, a split fleet's decode worker's first step for each request);
 - lone prefills (--prefill-lens x --prefill-repeats): a fresh prompt of each length alone on the idle engine
   (chunks at zero context, sizes interleaved so that drift spreads over them), and once per context length
   a prompt that extends the cached context by each length (chunks at large context). Without them the
@@ -169,7 +170,7 @@ def run_grid(engine: Any, grid: ProfileGrid, seed: int = 0,
         if rows > max_rows - 1 and rows > 1:
             rows = max_rows - 1  # leave a slot for the mixed step's prompt
         for ctx in contexts:
-            room = (grid.settle_steps + grid.decode_steps + 4
+            room = (grid.settle_steps + grid.decode_steps + 6
                     + grid.mixed_prompt_len // max(engine.config.max_num_batched_tokens, 1) + 2)
             # Every row its own context, as served requests have: rows sharing one cached prompt would read
             # the same K/V blocks, which then stay in cache, and their steps priced ~35% low at 16-64 rows on
@@ -181,8 +182,18 @@ def run_grid(engine: Any, grid: ProfileGrid, seed: int = 0,
                 step(timed=False)
             for _ in range(grid.decode_steps):
                 step()
-            ids_all.append(add(prompt(grid.mixed_prompt_len), 1))
+            mixed = prompt(grid.mixed_prompt_len)
+            ids_all.append(add(mixed, 1))
             step()  # decodes + the new prompt's first chunk
+            while ids_all[-1] in engine.requests:
+                step()  # its further chunks, if the budget split it
+            # The same prompt again: a prefix hit up to its last block, so a short chunk at a long context
+            # joins the decodes. It is the first step of every request on a split fleet's decode worker
+            # (the imported prompt's last block) and of an agent's next turn; without it the profile
+            # had such chunks only alone, and a 2-core Xeon's served decode worker took 69 ms for 15
+            # decode rows with one of them, where the fit priced 44 ms (docs/benchmarks.md, run 14).
+            ids_all.append(add(mixed, 1))
+            step()
             for rid in ids_all:
                 engine.abort_request(rid)
             engine.reset_prefix_cache()
@@ -194,8 +205,53 @@ def run_grid(engine: Any, grid: ProfileGrid, seed: int = 0,
     return samples
 
 
+def time_kv_moves(engine: Any, seed: int = 0, reps: int = 5) -> tuple[float, float]:
+    """(export, import) seconds per KV block of a split fleet's handoff on this engine: a prompt of 8 and
+    of 32 full blocks computed, its blocks exported (disagg/blocks.py export_prefix), the prefix cache
+    emptied and the blocks imported again (import_prefix); the median of `reps` each, fitted through the
+    origin. (0, 0) where the engine cannot hand off (no prefix caching, several KV groups) or its context
+    is too short. On the 2-core Xeon, 128-token prompts of the Q4_1 SmolLM2 took ~2 ms each way."""
+    from tokenloom.disagg.blocks import KVLayout, export_prefix, import_prefix
+
+    bs = engine.kv.block_size
+    if not engine.kv.enable_prefix_caching:
+        return 0.0, 0.0
+    try:
+        layout = KVLayout.of(engine)
+    except ConfigError:
+        return 0.0, 0.0
+    rng = random.Random(seed + 1)
+    blocks, out, into = [], [], []
+    for n in (8, 32):
+        if n * bs + 1 > engine.max_model_len:
+            continue
+        ex, im = [], []
+        for _ in range(reps):
+            ids = [rng.randrange(engine.model_config.vocab_size) for _ in range(n * bs)]
+            engine.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0))
+            while engine.has_unfinished_requests():
+                engine.step()
+            t0 = time.perf_counter()
+            records = export_prefix(engine, ids)
+            t1 = time.perf_counter()
+            engine.reset_prefix_cache()
+            t2 = time.perf_counter()
+            import_prefix(engine, layout, records)
+            t3 = time.perf_counter()
+            engine.reset_prefix_cache()
+            ex.append(t1 - t0)
+            im.append(t3 - t2)
+        blocks.append(n)
+        out.append(float(np.median(ex)))
+        into.append(float(np.median(im)))
+    if not blocks:
+        return 0.0, 0.0
+    b = np.array(blocks, dtype=float)
+    return float(b @ np.array(out) / (b @ b)), float(b @ np.array(into) / (b @ b))
+
+
 def fit_profile(config: EngineConfig, engine: Any, samples: Sequence[tuple[list[Row], float]],
-                model_name: str) -> Profile:
+                model_name: str, kv_moves: tuple[float, float] = (0.0, 0.0)) -> Profile:
     cost, keep = LinearStepCost.fit_robust(samples)
     errs = relative_errors(cost, [s for s, k in zip(samples, keep) if k])
     from tokenloom.disagg.blocks import KVLayout
@@ -211,7 +267,8 @@ def fit_profile(config: EngineConfig, engine: Any, samples: Sequence[tuple[list[
            "max_rel_error": float(np.max(errs))}
     return Profile(MEASURED, model_name, cost, config.block_size, engine.capacity.num_blocks, float(kv_per_token),
                    config.max_num_seqs, config.max_num_batched_tokens, engine.max_model_len,
-                   tuple(engine.kv.windows), machine_description(config), fit)
+                   tuple(engine.kv.windows), machine_description(config), fit,
+                   kv_export_s_per_block=kv_moves[0], kv_import_s_per_block=kv_moves[1])
 
 
 def profile_engine(config: EngineConfig, grid: ProfileGrid, seed: int = 0, log: Any = None) -> Profile:
@@ -222,4 +279,7 @@ def profile_engine(config: EngineConfig, grid: ProfileGrid, seed: int = 0, log: 
 
     engine = LLMEngine(config)
     samples = run_grid(engine, grid, seed, log)
-    return fit_profile(config, engine, samples, engine.model_name)
+    moves = time_kv_moves(engine, seed)
+    if log is not None:
+        log(f"KV handoff: export {moves[0] * 1e3:.3f} ms, import {moves[1] * 1e3:.3f} ms per block")
+    return fit_profile(config, engine, samples, engine.model_name, moves)

@@ -16,6 +16,11 @@ MEASURED = "measured"
 # The serving-time terms `plan calibrate` fits (seconds), beside the engine step's cost.
 OVERHEADS = ("overhead_step_s", "overhead_row_s", "request_s", "response_s", "router_hop_s", "router_token_s",
              "handoff_s", "interference_step_s")
+# Engine time per KV block that a split fleet's handoff holds each engine for (seconds; measured by `plan
+# profile`, 0 in older and analytic profiles): the prefill worker's export of a finished prompt's blocks
+# (disagg/blocks.py export_prefix, run on its engine thread before its next step) and the decode
+# worker's import of the received blocks (import_prefix, likewise between its steps).
+KV_MOVES = ("kv_export_s_per_block", "kv_import_s_per_block")
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,8 @@ class Profile:
     # 2-core CPU as a split fleet's prefill slowed 20-30% while its decode worker streamed; fitted from a
     # loaded split point (plan/calibrate.py).
     interference_step_s: float = 0.0
+    kv_export_s_per_block: float = 0.0  # see KV_MOVES
+    kv_import_s_per_block: float = 0.0
 
     def step_time(self, rows: list[tuple[int, int]]) -> float:
         """One simulated step: the engine step's cost plus the serving overhead."""
@@ -66,7 +73,7 @@ class Profile:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"profile: {name} must be a positive integer, got {v!r}")
-        for name in OVERHEADS:
+        for name in OVERHEADS + KV_MOVES:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
                 raise ConfigError(f"profile: {name} must be a finite number >= 0, got {v!r}")
@@ -76,7 +83,8 @@ class Profile:
                 "num_blocks": self.num_blocks, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
                 "max_model_len": self.max_model_len, "windows": list(self.windows), "machine": self.machine,
-                "fit": self.fit, **{k: getattr(self, k) for k in OVERHEADS}, "calibration": self.calibration}
+                "fit": self.fit, **{k: getattr(self, k) for k in OVERHEADS + KV_MOVES},
+                "calibration": self.calibration}
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,7 +110,7 @@ class Profile:
         return cls(d["source"], d["model"], cost, int(d["block_size"]), int(d["num_blocks"]),
                    float(d["kv_bytes_per_token"]), int(d["max_num_seqs"]), int(d["max_num_batched_tokens"]),
                    int(d["max_model_len"]), tuple(d.get("windows", [None])), d.get("machine", {}), d.get("fit", {}),
-                   calibration=d.get("calibration", {}), **{k: float(d.get(k, 0.0)) for k in OVERHEADS})
+                   calibration=d.get("calibration", {}), **{k: float(d.get(k, 0.0)) for k in OVERHEADS + KV_MOVES})
 
     @classmethod
     def load(cls, path: Path) -> Profile:

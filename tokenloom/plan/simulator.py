@@ -15,7 +15,11 @@ the router's Worker records). Split fleets do what router/disagg.py does: choose
 a prefill worker (its own policy instance); the prefill worker computes the prompt (max_tokens 1), ships
 its full blocks (bytes = blocks * block_size * kv_bytes_per_token, time = bytes / link bandwidth + latency),
 the decode worker enters them in its prefix cache (the pool calls of disagg/blocks.py's import_prefix)
-and then serves the request, finding the prompt cached.
+and then serves the request, finding the prompt cached. The copies hold the engines as they do in
+serving, on the engine thread between steps: the prefill worker exports a finished prompt's blocks
+before its next step, and the decode worker imports received blocks after its step in flight and before
+the next (the profile's measured seconds per block; on the 2-core Xeon the import took ~5 ms of the decode
+worker's engine per 128-token prompt before disagg/blocks.py copied all blocks at once, ~2 ms after).
 
 Per-request serving time (the profile's calibrated terms, 0 in a bare profile) delays a request without
 holding an engine: it reaches its worker's scheduler `request_s` after it arrives (plus `router_hop_s`
@@ -147,6 +151,10 @@ class SimWorker:
         # The router's CPU per token this worker streams through it (a prefill worker streams none).
         self.token_s = profile.router_token_s if fleet.behind_router and role != "prefill" else 0.0
         self.stream_rate = 0.0  # 1 / its step's duration while a step that streams tokens is in flight, else 0
+        # A split fleet's KV handoff copies on the engine thread between steps (the profile's per-block
+        # export / import times): held until then, no step starts; imports that arrive during a step wait.
+        self.held = False
+        self.imports: list[tuple[SimRecord, Sequence]] = []
 
     def start_step(self, others_rate: float = 0.0) -> float | None:
         """Schedule a step; its duration, or None when there is nothing to run. `others_rate`: the streaming
@@ -224,7 +232,7 @@ class SimResult:
     fleet: FleetConfig
 
 
-_ARRIVE, _STEP_DONE, _KV_ARRIVED, _ENQUEUE = 0, 1, 2, 3
+_ARRIVE, _STEP_DONE, _KV_ARRIVED, _ENQUEUE, _RESUME = 0, 1, 2, 3, 4
 
 
 class Simulation:
@@ -270,7 +278,7 @@ class Simulation:
 
     def _submit(self, worker: SimWorker, seq: Sequence, now: float) -> None:
         worker.scheduler.add(seq)
-        if worker.batch is None:
+        if worker.batch is None and not worker.held:
             self._kick(worker, now)
 
     def _admit(self, worker: SimWorker, seq: Sequence, now: float) -> None:
@@ -334,30 +342,64 @@ class Simulation:
                         rec.token_times.append(now)
                         if rec.first_token is None:
                             rec.first_token = now
+                hold = 0.0  # the engine thread's handoff copies after this step (export, then imports)
                 for seq in finished:
                     rec, prefill_only = owner.pop(id(seq))
                     worker.route.outstanding -= 1
                     if prefill_only:
-                        self._ship(rec, seq, decode_of.pop(id(rec)), now)
+                        hold += self._blocks(rec) * self.profile.kv_export_s_per_block
+                        self._ship(rec, seq, decode_of.pop(id(rec)), now + hold)
                     else:
                         rec.end = now + self.profile.response_s
                         rec.cached_tokens = seq.num_cached_tokens or 0
                         rec.preemptions = seq.num_preemptions
-                self._kick(worker, now)
-            else:  # _KV_ARRIVED
+                self._hold_or_kick(worker, hold, now)
+            elif kind == _KV_ARRIVED:
                 rec, dw = payload  # type: ignore[misc]
-                dw.import_prefix(rec.request.prompt_token_ids, rec.request.input_len // self.profile.block_size)
                 seq = self._sequence(rec, rec.request.output_len, "d")
                 owner[id(seq)] = (rec, False)
-                self._submit(dw, seq, now)
+                dw.imports.append((rec, seq))
+                if dw.batch is None and not dw.held:  # else after its step in flight (or copies) ends
+                    self._hold_or_kick(dw, 0.0, now)
+            else:  # _RESUME: the handoff copies are done
+                worker, copied = payload  # type: ignore[misc]
+                worker.held = False
+                self._enter(worker, copied)
+                self._hold_or_kick(worker, 0.0, now)
         start = min(r.request.arrival for r in records)
         last = max([now] + [r.end for r in records if r.end is not None])
         return SimResult(records, max(last - start, 1e-9), self.workers, self.fleet)
 
+    def _blocks(self, rec: SimRecord) -> int:
+        """Full blocks of a request's prompt: what a split fleet's handoff exports, ships and imports."""
+        return rec.request.input_len // self.profile.block_size
+
+    def _hold_or_kick(self, worker: SimWorker, hold: float, now: float) -> None:
+        """Between steps: copy the received blocks that wait (holding the engine for their import time,
+        and `hold` seconds of other copies), then enter them (their requests reach the scheduler) and
+        start the next step. Blocks that arrive during the copies wait for the next round."""
+        pending = worker.imports
+        hold += sum(self._blocks(rec) for rec, _ in pending) * self.profile.kv_import_s_per_block
+        if hold > 0:
+            worker.held = True
+            worker.busy_s += hold
+            worker.imports = []
+            self._push(now + hold, _RESUME, (worker, pending))
+            return
+        self._enter(worker, pending)
+        worker.imports = []
+        if worker.batch is None:
+            self._kick(worker, now)
+
+    def _enter(self, worker: SimWorker, imported: list[tuple[SimRecord, Sequence]]) -> None:
+        for rec, seq in imported:
+            worker.import_prefix(rec.request.prompt_token_ids, self._blocks(rec))
+            worker.scheduler.add(seq)
+
     def _ship(self, rec: SimRecord, seq: Sequence, dw: SimWorker, now: float) -> None:
         """A prefill finished: its full blocks travel to the decode worker (whose request was counted as
         outstanding there since it arrived, as the router does)."""
-        nbytes = (rec.request.input_len // self.profile.block_size) * self.profile.block_size * self.profile.kv_bytes_per_token
+        nbytes = self._blocks(rec) * self.profile.block_size * self.profile.kv_bytes_per_token
         rec.kv_transfer_s = nbytes / self.fleet.link_bandwidth + self.fleet.link_latency_s + self.profile.handoff_s
         self._push(now + rec.kv_transfer_s, _KV_ARRIVED, (rec, dw))
 
