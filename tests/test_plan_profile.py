@@ -165,10 +165,18 @@ def test_profile_of_a_tiny_model_is_a_fittable_json(tiny_llama: Path, tmp_path: 
     lone = [tuple(rows[0]) for rows, _ in samples if len(rows) == 1 and rows[0][0] > 1]
     assert lone.count((8, 0)) >= 2 and lone.count((40, 0)) >= 2  # fresh prompts alone, each repeated
     assert (8, 16) in lone and (40, 48) in lone  # chunks after a cached context of each length
+    # The mixed prompt again beside the 7 decodes: a prefix hit but for its last 8 tokens (24 = one cached
+    # block + 8), the step a split fleet's decode worker takes for each request it receives.
+    assert any(len(rows) == 8 and sorted(rows)[-1] == [8, 16] and all(n == 1 for n, _ in sorted(rows)[:-1])
+               for rows, _ in samples)
+    # The handoff's copies, timed on the same engine, per block.
+    assert prof.kv_export_s_per_block > 0 and prof.kv_import_s_per_block > 0
     path = tmp_path / "p.json"
     prof.save(path)
     back = Profile.load(path)
     assert back.cost == prof.cost and back.num_blocks == prof.num_blocks and back.source == "measured"
+    assert (back.kv_export_s_per_block, back.kv_import_s_per_block) == (prof.kv_export_s_per_block,
+                                                                        prof.kv_import_s_per_block)
     assert back.machine["cpu"] and "engine_config" in back.machine
     saved = json.loads(path.read_text())["fit"]
     refit = LinearStepCost.fit([(rows, t) for (rows, t), k in zip(saved["samples"], saved["kept"]) if k])

@@ -179,13 +179,14 @@ def test_per_request_overheads_and_the_router_hop_are_hand_computed() -> None:
 def test_split_handoff_adds_to_the_kv_transfer() -> None:
     # 1 prefill + 1 decode behind the router: enqueued on the prefill worker at .05 + .03 = .08, its step
     # .08-.09 streams nothing (no router token cost); transfer 3.2 s (3,200 bytes at 1 KB/s) + .5 latency
-    # + .1 handoff -> 3.89; the decode step takes 10 + 2 ms: first token 3.902, second 3.914, end 3.934.
+    # + .1 handoff -> 3.89, imported at once (no copy time); the request then passes the decode worker's
+    # HTTP layer (.05): enqueued 3.94; the decode step takes 10 + 2 ms: tokens 3.952, 3.964, end 3.984.
     p = Profile("measured", "fake", profile((0.01,)).cost, 16, 100, 100.0, 8, 64, 4096, request_s=0.05,
                 response_s=0.02, router_hop_s=0.03, router_token_s=0.002, handoff_s=0.1)
     fleet = FleetConfig(workers=1, prefill_workers=1, link_bandwidth=1000.0, link_latency_s=0.5)
     (r,) = simulate(p, fleet, [req(0.0, 32, 2)]).records
     assert r.kv_transfer_s == pytest.approx(3.8)
-    assert r.token_times == pytest.approx([3.902, 3.914]) and r.end == pytest.approx(3.934)
+    assert r.token_times == pytest.approx([3.952, 3.964]) and r.end == pytest.approx(3.984)
     with pytest.raises(ConfigError, match="request_s"):
         replace(p, request_s=-0.1)
 
@@ -266,7 +267,7 @@ def test_interference_comes_from_a_loaded_split_point(tmp_path: Path) -> None:
     loaded = poisson(20.0, 60, 64, 32, seed=5)
     slow = fleet_summary(simulate(real, split_fleet, loaded))["ttft_s_median"]
     fast = fleet_summary(simulate(replace(real, interference_step_s=0.0), split_fleet, loaded))["ttft_s_median"]
-    assert slow > fast * 1.02
+    assert slow > fast + 1e-3  # deterministic: 2 ms more here (the decode worker's own request_s dilutes it)
 
 
 def test_interference_slows_only_a_split_fleets_prefill_worker() -> None:

@@ -189,9 +189,10 @@ def run_grid(engine: Any, grid: ProfileGrid, seed: int = 0,
                 step()  # its further chunks, if the budget split it
             # The same prompt again: a prefix hit up to its last block, so a short chunk at a long context
             # joins the decodes. It is the first step of every request on a split fleet's decode worker
-            # (the imported prompt's last block) and of an agent's next turn; without it the profile
-            # had such chunks only alone, and a 2-core Xeon's served decode worker took 69 ms for 15
-            # decode rows with one of them, where the fit priced 44 ms (docs/benchmarks.md, run 14).
+            # (the imported prompt's last block) and of an agent's next turn, which the profile had only
+            # alone: against a served decode worker's steps on the 2-core Xeon those with 0-7 decode rows
+            # went from -10% to -1..-3% with it (8-31 rows stayed ~20% short; docs/benchmarks.md, "What a
+            # split fleet's TTFT is made of").
             ids_all.append(add(mixed, 1))
             step()
             for rid in ids_all:
@@ -207,10 +208,10 @@ def run_grid(engine: Any, grid: ProfileGrid, seed: int = 0,
 
 def time_kv_moves(engine: Any, seed: int = 0, reps: int = 5) -> tuple[float, float]:
     """(export, import) seconds per KV block of a split fleet's handoff on this engine: a prompt of 8 and
-    of 32 full blocks computed, its blocks exported (disagg/blocks.py export_prefix), the prefix cache
+    of 32 full blocks (fewer where the context is shorter) computed, its blocks exported (disagg/blocks.py export_prefix), the prefix cache
     emptied and the blocks imported again (import_prefix); the median of `reps` each, fitted through the
     origin. (0, 0) where the engine cannot hand off (no prefix caching, several KV groups) or its context
-    is too short. On the 2-core Xeon, 128-token prompts of the Q4_1 SmolLM2 took ~2 ms each way."""
+    holds no full block. On the 2-core Xeon, 128-token prompts of the Q4_1 SmolLM2 took ~2 ms each way."""
     from tokenloom.disagg.blocks import KVLayout, export_prefix, import_prefix
 
     bs = engine.kv.block_size
@@ -222,9 +223,8 @@ def time_kv_moves(engine: Any, seed: int = 0, reps: int = 5) -> tuple[float, flo
         return 0.0, 0.0
     rng = random.Random(seed + 1)
     blocks, out, into = [], [], []
-    for n in (8, 32):
-        if n * bs + 1 > engine.max_model_len:
-            continue
+    fits = (engine.max_model_len - 1) // bs  # full blocks of the longest prompt that leaves room for a token
+    for n in sorted({min(n, fits) for n in (8, 32)} - {0}):
         ex, im = [], []
         for _ in range(reps):
             ids = [rng.randrange(engine.model_config.vocab_size) for _ in range(n * bs)]

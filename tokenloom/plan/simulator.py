@@ -364,7 +364,7 @@ class Simulation:
             else:  # _RESUME: the handoff copies are done
                 worker, copied = payload  # type: ignore[misc]
                 worker.held = False
-                self._enter(worker, copied)
+                self._enter(worker, copied, now)
                 self._hold_or_kick(worker, 0.0, now)
         start = min(r.request.arrival for r in records)
         last = max([now] + [r.end for r in records if r.end is not None])
@@ -386,15 +386,24 @@ class Simulation:
             worker.imports = []
             self._push(now + hold, _RESUME, (worker, pending))
             return
-        self._enter(worker, pending)
+        self._enter(worker, pending, now)
         worker.imports = []
         if worker.batch is None:
             self._kick(worker, now)
 
-    def _enter(self, worker: SimWorker, imported: list[tuple[SimRecord, Sequence]]) -> None:
+    def _enter(self, worker: SimWorker, imported: list[tuple[SimRecord, Sequence]], now: float) -> None:
+        """The imported blocks enter the prefix cache; each request follows through the decode worker's
+        HTTP layer (request_s after the import's reply, as any request reaches a worker's scheduler): on
+        a busy worker it then waits for the step that started meanwhile, a second wait beside the
+        import's. Served, a split fleet's decode worker on the 2-core Xeon took the request 22 ms after
+        the prompt's export when idle, 140-205 ms (3-4 decode steps) at 6-12 req/s (docs/benchmarks.md,
+        plan validation run 15)."""
         for rec, seq in imported:
             worker.import_prefix(rec.request.prompt_token_ids, self._blocks(rec))
-            worker.scheduler.add(seq)
+            if self.profile.request_s > 0:
+                self._push(now + self.profile.request_s, _ENQUEUE, (worker, seq))
+            else:
+                worker.scheduler.add(seq)
 
     def _ship(self, rec: SimRecord, seq: Sequence, dw: SimWorker, now: float) -> None:
         """A prefill finished: its full blocks travel to the decode worker (whose request was counted as
