@@ -34,7 +34,8 @@ def main() -> None:
     layout = KVLayout.of(engine)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
-    print(f"{engine.model_name}, KV {layout.cache_dtype}, {layout.block_nbytes} bytes per block; {platform.processor() or platform.machine()}")
+    cpu = platform.processor() or platform.machine()
+    print(f"{engine.model_name}, KV {layout.cache_dtype}, {layout.block_nbytes} bytes per block; {cpu}")
     print("| prompt tokens | blocks | export ms | import ms |")
     print("|---:|---:|---:|---:|")
     for n in (int(x) for x in a.prompt_lens.split(",")):

@@ -18,8 +18,8 @@ the decode worker enters them in its prefix cache (the pool calls of disagg/bloc
 and then serves the request, finding the prompt cached. The copies hold the engines as they do in
 serving, on the engine thread between steps: the prefill worker exports a finished prompt's blocks
 before its next step, and the decode worker imports received blocks after its step in flight and before
-the next (the profile's measured seconds per block; on the 2-core Xeon the import took ~5 ms of the decode
-worker's engine per 128-token prompt before disagg/blocks.py copied all blocks at once, ~2 ms after).
+the next (the profile's measured seconds per block; on the 2-core Xeon the import took 4.3 ms of the
+decode worker's engine per 128-token prompt before disagg/blocks.py copied all blocks at once, 1.4 ms after).
 
 Per-request serving time (the profile's calibrated terms, 0 in a bare profile) delays a request without
 holding an engine: it reaches its worker's scheduler `request_s` after it arrives (plus `router_hop_s`
