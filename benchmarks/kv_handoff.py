@@ -16,12 +16,11 @@ import argparse
 import platform
 import random
 import statistics
-import time
 
-from tokenloom.disagg.blocks import KVLayout, export_prefix, import_prefix
+from tokenloom.disagg.blocks import KVLayout, export_prefix
 from tokenloom.engine.engine import LLMEngine
 from tokenloom.engine_args import add_engine_args, engine_config
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.plan.profile import time_handoff
 
 
 def main() -> None:
@@ -45,21 +44,12 @@ def main() -> None:
         out, into, blocks = [], [], 0
         for _ in range(a.reps):
             ids = [rng.randrange(vocab) for _ in range(n)]
-            engine.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0))
-            while engine.has_unfinished_requests():
-                engine.step()
-            t0 = time.perf_counter()
-            records = export_prefix(engine, ids)
-            t1 = time.perf_counter()
-            engine.reset_prefix_cache()
-            t2 = time.perf_counter()
-            import_prefix(engine, layout, records)
-            t3 = time.perf_counter()
+            records, export_s, import_s = time_handoff(engine, layout, ids)
             if [r.payload for r in export_prefix(engine, ids)] != [r.payload for r in records]:
                 raise SystemExit(f"{n}-token prompt: the imported blocks differ from the exported ones")
             engine.reset_prefix_cache()
-            out.append(t1 - t0)
-            into.append(t3 - t2)
+            out.append(export_s)
+            into.append(import_s)
             blocks = len(records)
         print(f"| {n} | {blocks} | {statistics.median(out) * 1e3:.2f} | {statistics.median(into) * 1e3:.2f} |")
 

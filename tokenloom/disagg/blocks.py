@@ -129,10 +129,7 @@ def import_prefix(engine: LLMEngine, layout: KVLayout, records: list[BlockRecord
         raise KVTransferError("receiving KV blocks needs prefix caching (drop --no-prefix-caching)")
     # Every payload's size first: the blocks are indexed before their bytes are written (in one pass at
     # the end), so a payload that could not be written must be refused before any block is indexed.
-    nbytes = mine.block_nbytes
-    for r in records:
-        if len(r.payload) != nbytes:
-            raise KVTransferError(f"block payload of {len(r.payload)} bytes does not match the cache layout ({nbytes})")
+    _check_sizes([r.payload for r in records], mine.block_nbytes)
     pool = engine.kv.pool
     held: list[int] = []  # referenced while we work, so allocating the next block cannot evict them
     fresh: list[tuple[int, bytes]] = []  # (block, payload) of the blocks allocated here
@@ -163,6 +160,12 @@ def import_prefix(engine: LLMEngine, layout: KVLayout, records: list[BlockRecord
     return len(fresh), present
 
 
+def _check_sizes(payloads: list[bytes], nbytes: int) -> None:
+    for p in payloads:
+        if len(p) != nbytes:
+            raise KVTransferError(f"block payload of {len(p)} bytes does not match the cache layout ({nbytes})")
+
+
 def _byte_views(caches: list[LayerKVCache]) -> list[torch.Tensor]:
     """Each cache tensor (K, V, scales; layer by layer) as (num_blocks, bytes per block) uint8: a block's
     payload is its row of each, in this order. Views (`view`, not `reshape`: a copy would lose the writes)."""
@@ -188,9 +191,7 @@ def write_blocks(caches: list[LayerKVCache], blocks: list[int], payloads: list[b
         return
     views = _byte_views(caches)
     sizes = [v.shape[1] for v in views]
-    for p in payloads:
-        if len(p) != sum(sizes):
-            raise KVTransferError(f"block payload of {len(p)} bytes does not match the cache layout ({sum(sizes)})")
+    _check_sizes(payloads, sum(sizes))
     src = np.frombuffer(b"".join(payloads), dtype=np.uint8).reshape(len(blocks), -1)
     idx = np.asarray(blocks, dtype=np.int64)
     off = 0

@@ -206,14 +206,32 @@ def run_grid(engine: Any, grid: ProfileGrid, seed: int = 0,
     return samples
 
 
+def time_handoff(engine: Any, layout: Any, ids: list[int]) -> tuple[list[Any], float, float]:
+    """A split fleet's KV handoff once, on one engine: `ids` computed (max_tokens 1), its blocks exported
+    (disagg/blocks.py export_prefix), the prefix cache emptied and the blocks imported again
+    (import_prefix). Returns (records, export seconds, import seconds); the imported blocks stay cached."""
+    from tokenloom.disagg.blocks import export_prefix, import_prefix
+
+    engine.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    t0 = time.perf_counter()
+    records = export_prefix(engine, ids)
+    t1 = time.perf_counter()
+    engine.reset_prefix_cache()
+    t2 = time.perf_counter()
+    import_prefix(engine, layout, records)
+    t3 = time.perf_counter()
+    return records, t1 - t0, t3 - t2
+
+
 def time_kv_moves(engine: Any, seed: int = 0, reps: int = 5) -> tuple[float, float]:
-    """(export, import) seconds per KV block of a split fleet's handoff on this engine: a prompt of 8 and
-    of 32 full blocks (fewer where the context is shorter) computed, its blocks exported (disagg/blocks.py
-    export_prefix), the prefix cache emptied and the blocks imported again (import_prefix); the median of
-    `reps` each, fitted through the origin. (0, 0) where the engine cannot hand off (no prefix caching,
-    several KV groups) or its context holds no full block. On the 2-core Xeon a 128-token prompt of the
-    Q4_1 SmolLM2 took 1.6 ms to export and 1.4 ms to import (benchmarks/kv_handoff.py)."""
-    from tokenloom.disagg.blocks import KVLayout, export_prefix, import_prefix
+    """(export, import) seconds per KV block of a split fleet's handoff on this engine (`time_handoff`
+    on prompts of 8 and of 32 full blocks, fewer where the context is shorter), the median of `reps`
+    each, fitted through the origin. (0, 0) where the engine cannot hand off (no prefix caching, several
+    KV groups) or its context holds no full block. On the 2-core Xeon a 128-token prompt of the Q4_1
+    SmolLM2 took 1.6 ms to export and 1.4 ms to import (benchmarks/kv_handoff.py)."""
+    from tokenloom.disagg.blocks import KVLayout
 
     bs = engine.kv.block_size
     if not engine.kv.enable_prefix_caching:
@@ -228,20 +246,11 @@ def time_kv_moves(engine: Any, seed: int = 0, reps: int = 5) -> tuple[float, flo
     for n in sorted({min(n, fits) for n in (8, 32)} - {0}):
         ex, im = [], []
         for _ in range(reps):
-            ids = [rng.randrange(engine.model_config.vocab_size) for _ in range(n * bs)]
-            engine.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0))
-            while engine.has_unfinished_requests():
-                engine.step()
-            t0 = time.perf_counter()
-            records = export_prefix(engine, ids)
-            t1 = time.perf_counter()
+            _, export_s, import_s = time_handoff(engine, layout, [rng.randrange(engine.model_config.vocab_size)
+                                                                   for _ in range(n * bs)])
             engine.reset_prefix_cache()
-            t2 = time.perf_counter()
-            import_prefix(engine, layout, records)
-            t3 = time.perf_counter()
-            engine.reset_prefix_cache()
-            ex.append(t1 - t0)
-            im.append(t3 - t2)
+            ex.append(export_s)
+            im.append(import_s)
         blocks.append(n)
         out.append(float(np.median(ex)))
         into.append(float(np.median(im)))
