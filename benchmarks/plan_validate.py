@@ -26,7 +26,9 @@ knee is low (`--rate-fractions 0.125,0.25,0.5,1,2` brings it back). Keep the mac
       per step + per row from the single server's step trace of those runs (`serve --step-trace`: each
       served decode step against the profile's price for its rows; --no-step-trace: from the runs' TPOT
       medians instead) and per request (light TTFT less the simulated one); the
-      router hop (light) and per-token router cost (loaded) from the 2-worker cluster; the prefill -> decode
+      router hop (light) and per-token router cost from the 2-worker cluster (its workers' step traces over
+      its calibration runs, `cluster --step-trace-dir`: their decode steps' time beyond the single
+      server's overhead, per streamed token; --no-step-trace: its loaded TPOT gap); the prefill -> decode
       handoff (light) and the interference of streams with prefills (loaded) from the split cluster, the
       router terms refitted with it (see tokenloom/plan/calibrate.py). The split set-up uses the router
       terms only if cluster-2 ran before it. The fit is printed.
@@ -147,8 +149,17 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
     cmd, fleet = SETUPS[name]
     port = free_port()
     trace = a.out / f"step-trace-{name}.csv"
-    traced = name == "single" and not a.no_step_trace  # `cluster` starts its workers itself: no trace flag
-    proc = subprocess.Popen(tl(*cmd, "--port", str(port), *ENGINE, *(["--step-trace", str(trace)] if traced else [])))
+    # The single server's trace fits the per-step and per-row overhead, the 2-worker cluster's workers' the
+    # router's per-token cost (tokenloom/plan/calibrate.py).
+    traced = name in ("single", "cluster-2") and not a.no_step_trace
+    trace_dir = a.out / f"step-traces-{name}"
+    if name == "single":
+        trace_flags = ["--step-trace", str(trace)] if traced else []
+    else:
+        if traced:
+            trace_dir.mkdir(parents=True, exist_ok=True)
+        trace_flags = ["--step-trace-dir", str(trace_dir)] if traced else []
+    proc = subprocess.Popen(tl(*cmd, "--port", str(port), *ENGINE, *trace_flags))
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", timeout=900, alive=lambda: proc.poll() is None)
         if not a.no_calibrate:
@@ -163,10 +174,17 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
                 rate = round(OPEN_LOAD * predicted_rates(prof, fleet, a, [1.0])[0], 2)
                 calibrated[name].append(bench(port, a.out / f"calibration-{name}-open",
                                               ["--request-rate", f"{rate:g}"] + n, a, a.seed + 3000))
-            if traced:  # the calibration runs' steps only (the engine flushes its trace when it goes idle)
+            # The calibration runs' steps only (the engine flushes its trace when it goes idle).
+            if traced and name == "single":
                 snapshot = a.out / "step-trace-calibration.csv"
                 snapshot.write_bytes(trace.read_bytes())
                 calibrated["trace"] = [snapshot]
+            elif traced:
+                calibrated["cluster-trace"] = []
+                for worker in sorted(trace_dir.glob("worker-*.csv")):
+                    snapshot = a.out / f"step-trace-calibration-{name}-{worker.stem}.csv"
+                    snapshot.write_bytes(worker.read_bytes())
+                    calibrated["cluster-trace"].append(snapshot)
             print(f"== calibrating with {', '.join(calibrated)}", flush=True)
             prof = calibrated_profile(bare, calibrated, a)
         rates = [round(r, 2) for r in (a.rates or predicted_rates(prof, fleet, a))]
@@ -194,7 +212,8 @@ def calibrated_profile(bare: Profile, calibrated: dict[str, list[Path]], a: argp
     cluster = (calibrated["cluster-2"], SETUPS["cluster-2"][1]) if "cluster-2" in calibrated else None
     split = (calibrated["split-1P1D"], SETUPS["split-1P1D"][1]) if "split-1P1D" in calibrated else None
     prof = calibrate(bare, calibrated["single"], SETUPS["single"][1], a.seed, cluster=cluster, split=split,
-                     step_traces=calibrated.get("trace"), log=lambda m: print(m, flush=True))
+                     step_traces=calibrated.get("trace"), cluster_step_traces=calibrated.get("cluster-trace"),
+                     log=lambda m: print(m, flush=True))
     prof.save(a.out / "profile-calibrated.json")
     print(f"calibrated: {overheads_line(prof)}", flush=True)
     return prof
@@ -213,6 +232,9 @@ def rejudge(src: Path, bare: Profile, a: argparse.Namespace) -> tuple[Profile, l
     trace = src / "step-trace-calibration.csv"
     if trace.exists() and not a.no_step_trace:
         calibrated["trace"] = [trace]
+    workers = sorted(src.glob("step-trace-calibration-cluster-2-worker-*.csv"))
+    if workers and "cluster-2" in calibrated and not a.no_step_trace:
+        calibrated["cluster-trace"] = workers
     return (bare if a.no_calibrate else calibrated_profile(bare, calibrated, a)), measured
 
 

@@ -157,12 +157,15 @@ def test_workers_die_with_a_killed_parent(tmp_path: Path) -> None:
 def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[bytes], str, list[str], Path]]:
     """`tokenloom cluster --workers 2` on the tiny model: (process, router URL, worker URLs, log)."""
     port, w1, w2 = free_port(), free_port(), free_port()
-    log = tmp_path_factory.mktemp("cluster") / "cluster.log"
+    folder = tmp_path_factory.mktemp("cluster")
+    log = folder / "cluster.log"
+    (folder / "traces").mkdir()
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "tokenloom.cli", "cluster", "--workers", "2", "--port", str(port),
                                  "--worker-ports", str(w1), str(w2), "--model", str(tiny_llama), "--served-model-name",
                                  "tiny", "--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "256",
-                                 "--num-threads", "1", "--health-interval", "0.2", "--policy", "round_robin"],
+                                 "--num-threads", "1", "--health-interval", "0.2", "--policy", "round_robin",
+                                 "--step-trace-dir", str(folder / "traces")],
                                 stdout=out, stderr=out)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -191,6 +194,20 @@ def generate(url: str) -> httpx.Response:
 
 def router_view(url: str) -> dict[str, bool]:
     return {w["url"]: w["healthy"] for w in httpx.get(url + "/health").json()["workers"]}
+
+
+@pytest.mark.cluster
+def test_each_worker_writes_its_own_step_trace(cluster: tuple[subprocess.Popen[bytes], str, list[str], Path]) -> None:
+    _, url, _, log = cluster
+    assert all(generate(url).status_code == 200 for _ in range(2))  # round robin: one request each
+    traces = [log.parent / "traces" / f"worker-{i}.csv" for i in range(2)]
+
+    def steps(path: Path) -> int:  # step lines (the engine flushes its trace when it goes idle)
+        return len(path.read_text().splitlines()) - 1 if path.exists() else 0
+
+    # Each request: a prefill step, then one decode step per further token (num_predict 2).
+    assert wait_for(lambda: all(steps(t) >= 2 for t in traces), 10), [steps(t) for t in traces]
+    assert traces[0].read_text().splitlines()[0].startswith("loop_start,step_start")
 
 
 @pytest.mark.cluster

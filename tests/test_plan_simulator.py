@@ -3,6 +3,7 @@ manager (not a copy), determinism, block-pool invariants under pressure, and the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -307,3 +308,47 @@ def test_router_token_cost_comes_from_a_loaded_cluster_point(tmp_path: Path) -> 
     assert got.router_hop_s == pytest.approx(0.03, rel=0.05)
     token_fits = [f for f in got.calibration["residual_fits"] if f["term"] == "router_token_s"]
     assert [f["concurrency"] for f in token_fits] == [8] and token_fits[0]["rows"] > 1.5
+
+
+def _trace(path: Path, prof: Profile, steps: list[list[tuple[int, int]]], extra: Callable[[int, int], float]) -> Path:
+    """A `serve --step-trace` file of `steps` (rows as (new, computed) pairs): each engine step takes the
+    profile's price, and the loop iteration `extra(rows, streamed)` seconds more."""
+    from tokenloom.engine.step_trace import StepTrace
+
+    trace, t = StepTrace(path), 0.0
+    for rows in steps:
+        engine = prof.cost.step_time(rows)
+        streamed = len(rows)  # decode rows: each samples a token
+        trace.write(t, t, t, t + engine, t + engine, t + engine + extra(len(rows), streamed), rows, streamed)
+        t += 1.0
+    trace.close()
+    return path
+
+
+def test_router_token_cost_comes_from_the_cluster_workers_step_traces(tmp_path: Path) -> None:
+    from tokenloom.plan.calibrate import calibrate
+    from tokenloom.plan.host import attribute, fit_token_excess, load_trace
+
+    # "Reality": a served single-server step costs 0.9 ms + 0.2 ms per row more than the profile says; a
+    # cluster worker's step 0.35 ms per streamed token more again (the router proxying each token on the
+    # same cores). Decode steps of 1 to 8 rows at context 100.
+    bare = profile((0.002, 1e-5, 2e-4))
+    steps = [[(1, 100)] * n for n in (1, 2, 3, 4, 5, 6, 7, 8) * 4]
+    single_trace = _trace(tmp_path / "single.csv", bare, steps, lambda rows, _: 9e-4 + 2e-4 * rows)
+    cluster_trace = _trace(tmp_path / "w0.csv", bare, steps, lambda rows, streamed: 9e-4 + 2e-4 * rows + 3.5e-4 * streamed)
+    fit = fit_token_excess(attribute(bare, load_trace([cluster_trace])), 9e-4, 2e-4)
+    assert fit.token_s == pytest.approx(3.5e-4) and fit.steps == len(steps) and fit.tokens == sum(map(len, steps))
+    # Nothing beyond the single server's terms: no per-token cost (not a negative one).
+    assert fit_token_excess(attribute(bare, load_trace([single_trace])), 2e-3, 2e-4).token_s == 0.0
+
+    real = replace(bare, overhead_step_s=9e-4, overhead_row_s=2e-4, request_s=0.05, router_hop_s=0.03)
+    single = sim_bench_folder(tmp_path / "single", real, FleetConfig(), [(0.2, None)])
+    cluster = sim_bench_folder(tmp_path / "cluster", real, FleetConfig(workers=2), [(0.2, None)])
+    got = calibrate(bare, [single], FleetConfig(), cluster=([cluster], FleetConfig(workers=2)),
+                    step_traces=[single_trace], cluster_step_traces=[cluster_trace])
+    assert got.overhead_step_s == pytest.approx(9e-4) and got.overhead_row_s == pytest.approx(2e-4)
+    assert got.router_token_s == pytest.approx(3.5e-4)
+    assert "0.350 ms/token" in got.calibration["cluster_step_trace_fit"]
+    assert [f["term"] for f in got.calibration["residual_fits"]] == ["router_hop_s"]  # no TPOT-gap search
+    with pytest.raises(ConfigError, match="cluster"):
+        calibrate(bare, [single], FleetConfig(), step_traces=[single_trace], cluster_step_traces=[cluster_trace])

@@ -135,6 +135,14 @@ def test_cluster_passes_engine_flags_to_workers() -> None:
     assert not path.exists()
 
 
+def test_cluster_refuses_a_missing_step_trace_dir(tmp_path: Path) -> None:
+    from tokenloom.cli import build_parser
+
+    args = build_parser().parse_args(["cluster", "--model", "m", "--step-trace-dir", str(tmp_path / "absent")])
+    with pytest.raises(ConfigError, match="--step-trace-dir"):  # before any worker starts
+        args.func(args)
+
+
 def test_secret_files_are_read_and_checked(tmp_path: Path) -> None:
     f = tmp_path / "key"
     f.write_text("s3cret\n")

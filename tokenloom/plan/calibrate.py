@@ -19,7 +19,9 @@ each a least-squares fit of a constant or a line to a few measured `bench serve`
    - response_s (last token -> end of response): the median over the light points' records of
      e2el - ttft - (output_tokens - 1) x itl_mean, the time from the last streamed chunk to the end.
    These are refitted in turn until they settle (more overhead means more rows in flight).
-2. A cluster behind the router (optional): router_token_s from its loaded points (e.g. concurrency 8,
+2. A cluster behind the router (optional): router_token_s from its workers' step traces where given (their
+   decode steps' time beyond the single server's per-step and per-row terms, per streamed token:
+   plan/host.py fit_token_excess), else from its loaded points (e.g. concurrency 8,
    where both workers stream while the router proxies every token on the same cores): the measured less
    the simulated median TPOT per running row as a first guess, bracketed, then regula falsi to a zero
    mean gap (`_per_token_fit`); without loaded points, from the light ones (about one streamed row per
@@ -221,14 +223,16 @@ def _interference_fit(prof: Profile, fleet: FleetConfig, points: list[Point], se
 def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: int = 0, rounds: int = 6,
               cluster: tuple[list[Path], FleetConfig] | None = None,
               split: tuple[list[Path], FleetConfig] | None = None,
-              step_traces: list[Path] | None = None,
+              step_traces: list[Path] | None = None, cluster_step_traces: list[Path] | None = None,
               log: Callable[[str], None] = lambda m: None) -> Profile:
     """Fit the module docstring's terms: `folders` of the single server (`fleet`), then optionally the
     router terms from `cluster`'s measured folders, and the handoff (light points) and the interference
     (loaded points) from `split`'s.
     With `step_traces` (`serve --step-trace` of the same server's calibration runs) the step cost is refitted
     with the served steps, and the per-step and per-row overhead come from the traced steps themselves
-    (plan/host.py) instead of the TPOT regression."""
+    (plan/host.py) instead of the TPOT regression. With `cluster_step_traces` (the cluster's workers'
+    traces over its calibration runs) router_token_s is their decode steps' cost beyond the single server's
+    per-step and per-row terms, per streamed token (host.fit_token_excess), not the loaded TPOT gap."""
     points = [pt for folder in folders for pt in bench_points(folder) if pt[0].get("tpot_s_median") is not None]
     need = 1 if step_traces else 2
     if len(points) < need:
@@ -282,9 +286,19 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     c_pts = (cluster[1], *_light_and_loaded(cluster[0], "tpot_s_median")) if cluster is not None else None
     s_pts = (split[1], *_light_and_loaded(split[0], "ttft_s_median")) if split is not None else None
     fits: list[dict[str, Any]] = []
+    token_fit = None
+    if cluster_step_traces:
+        if c_pts is None:
+            raise ConfigError("the cluster's step traces need its calibration runs (cluster=) too")
+        from tokenloom.plan.host import attribute, fit_token_excess, load_trace
+
+        token_fit = fit_token_excess(attribute(profile, load_trace(cluster_step_traces)), a, b)
+        log(f"cluster step traces: {token_fit.line()}")
     if c_pts is not None:
         c_fleet, c_light, c_loaded = c_pts
-        if c_loaded:  # the router's per-token cost shows when both workers stream at once, not at concurrency 1
+        if token_fit is not None:
+            tok, r1 = token_fit.token_s, []
+        elif c_loaded:  # the router's per-token cost shows when both workers stream at once, not at concurrency 1
             tok, r1 = _per_token_fit(out, c_fleet, c_loaded, seed, log)
         else:
             tok, r1 = _residual_fit("router_token_s", out, c_fleet, c_light, "tpot_s_median", seed, log)
@@ -307,6 +321,8 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
                                      "step_trace_cost": refit,
                                      "fleet_workers": fleet.workers,
                                      "cluster_folders": [str(f) for f in cluster[0]] if cluster else [],
+                                     "cluster_step_traces": [str(f) for f in cluster_step_traces or []],
+                                     "cluster_step_trace_fit": None if token_fit is None else token_fit.line(),
                                      "split_folders": [str(f) for f in split[0]] if split else []})
 
 

@@ -99,6 +99,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     ca.add_argument("--step-trace", type=Path, nargs="+", default=None,
                     help="the server's `serve --step-trace` CSV over the --bench runs: fits the per-step and per-row "
                          "overhead from its steps instead of from the runs' TPOT medians")
+    ca.add_argument("--cluster-step-trace", type=Path, nargs="+", default=None,
+                    help="the cluster workers' step traces over the --cluster-bench runs (`cluster --step-trace-dir`): "
+                         "fits the router's per-token cost from their steps instead of from the loaded TPOT")
     ca.add_argument("--seed", type=int, default=0)
     ca.add_argument("--out", type=Path, required=True, help="the calibrated profile")
     ca.set_defaults(func=_calibrate)
@@ -199,7 +202,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     cluster = (args.cluster_bench, FleetConfig(workers=args.cluster_workers, router=True)) if args.cluster_bench else None
     split = (args.split_bench, FleetConfig(workers=1, prefill_workers=1)) if args.split_bench else None
     prof = calibrate(Profile.load(args.profile), args.bench, FleetConfig(workers=args.workers), args.seed,
-                     cluster=cluster, split=split, step_traces=args.step_trace, log=print)
+                     cluster=cluster, split=split, step_traces=args.step_trace,
+                     cluster_step_traces=args.cluster_step_trace, log=print)
     prof.save(args.out)
     print(f"serving overhead: {overheads_line(prof)}, from {len(prof.calibration['points'])} measured points "
           f"-> {args.out}")

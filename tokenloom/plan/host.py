@@ -90,6 +90,33 @@ def fit_overheads(attributed: pd.DataFrame) -> HostFit:
     return HostFit(float(x[0]), float(x[1]), len(dec), float(np.median(np.abs(a @ x - b))))
 
 
+@dataclass(frozen=True)
+class TokenFit:
+    token_s: float  # per streamed token, beyond the single server's per-step and per-row terms
+    steps: int  # decode steps fitted
+    tokens: int  # tokens they streamed
+
+    def line(self) -> str:
+        return f"{self.token_s * 1e3:.3f} ms/token, from {self.steps} served decode steps streaming {self.tokens} tokens"
+
+
+def fit_token_excess(attributed: pd.DataFrame, step_s: float, row_s: float) -> TokenFit:
+    """What a cluster's traced decode steps cost beyond a single server's overhead (`step_s` + `row_s` x
+    rows), per streamed token: the total excess over the total tokens, clipped at 0 (a ratio of sums, so
+    that the fit gets the total time right; the busy many-row steps weigh the most). Behind the router every
+    token is also proxied by the router process, and on a host whose cores the workers share that CPU is
+    taken from the steps: the simulator's router_token_s. From the workers' own traces, thousands of
+    steps, not the gap between two TPOT medians (on the 2-core Xeon a concurrency-8 point's TPOT gap
+    fitted 0.15 ms in one run and 0.01 in the next; the traced steps of a 2-worker cluster at 4 and 8 req/s
+    said 0.3-0.36 ms, docs/benchmarks.md, "A 2-worker cluster's steps")."""
+    dec = attributed[attributed["decode_only"] & (attributed["streamed"] > 0)]
+    if len(dec) < 3:
+        raise ConfigError(f"fitting the per-token cost needs at least 3 traced decode steps, got {len(dec)}")
+    excess = dec["overhead"].to_numpy(float) - (step_s + row_s * dec["num_rows"].to_numpy(float))
+    tokens = int(dec["streamed"].sum())
+    return TokenFit(max(0.0, float(excess.sum()) / tokens), len(dec), tokens)
+
+
 def refit_cost(profile: Profile, df: pd.DataFrame) -> tuple[Profile, str]:
     """The profile's linear step cost fitted again to its own timed steps and the trace's served ones
     together (each served step: its rows and `engine` time). A separate profiling process prices the steps

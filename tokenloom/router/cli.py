@@ -7,6 +7,7 @@ import argparse
 import logging
 import secrets
 import sys
+from pathlib import Path
 
 from tokenloom.engine_args import add_engine_args, engine_argv
 from tokenloom.errors import ConfigError
@@ -86,6 +87,9 @@ def add_cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
                    help="with --prefill-workers: the secret signing KV transfers between the workers (default: "
                         "--api-key, else a random one)")
     p.add_argument("--kv-secret-file", default=None, metavar="PATH", help="--kv-secret read from this file")
+    p.add_argument("--step-trace-dir", default=None, metavar="DIR",
+                   help="each worker writes its `serve --step-trace` to DIR/worker-I.csv (decode workers first, "
+                        "then prefill workers; I counts from 0 over all of them); DIR must exist")
     router_args(p, default_port=8000)
     add_engine_args(p)
     p.set_defaults(func=_run_cluster)
@@ -149,6 +153,11 @@ def _run_cluster(args: argparse.Namespace) -> int:
             ["--kv-secret-file", secret_files.write("kv-secret", args.kv_secret or secrets.token_hex(32))]
         roles = [["--role", "decode", "--kv-host", args.worker_host, *kv]] * args.workers + \
                 [["--role", "prefill", *kv]] * args.prefill_workers
+    if args.step_trace_dir is not None:
+        trace_dir = Path(args.step_trace_dir)
+        if not trace_dir.is_dir():
+            raise ConfigError(f"--step-trace-dir {trace_dir}: not a directory")
+        roles = [[*r, "--step-trace", str(trace_dir / f"worker-{i}.csv")] for i, r in enumerate(roles)]
     workers = LocalWorkers(ports, args.worker_host, worker_argv(args, secret_files), roles)
     urls = workers.urls
     # Bad router flags fail before any worker starts.
