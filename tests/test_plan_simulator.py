@@ -331,15 +331,23 @@ def test_router_token_cost_comes_from_the_cluster_workers_step_traces(tmp_path: 
 
     # "Reality": a served single-server step costs 0.9 ms + 0.2 ms per row more than the profile says; a
     # cluster worker's step 0.35 ms per streamed token more again (the router proxying each token on the
-    # same cores). Decode steps of 1 to 8 rows at context 100.
+    # same cores), its process 0.5 ms per step faster (an offset between processes: reported, not charged).
+    # Decode steps of 1 to 8 rows at context 100.
     bare = profile((0.002, 1e-5, 2e-4))
     steps = [[(1, 100)] * n for n in (1, 2, 3, 4, 5, 6, 7, 8) * 4]
     single_trace = _trace(tmp_path / "single.csv", bare, steps, lambda rows, _: 9e-4 + 2e-4 * rows)
-    cluster_trace = _trace(tmp_path / "w0.csv", bare, steps, lambda rows, streamed: 9e-4 + 2e-4 * rows + 3.5e-4 * streamed)
+    cluster_trace = _trace(tmp_path / "w0.csv", bare, steps,
+                           lambda rows, streamed: 4e-4 + 2e-4 * rows + 3.5e-4 * streamed)
     fit = fit_token_excess(attribute(bare, load_trace([cluster_trace])), 9e-4, 2e-4)
-    assert fit.token_s == pytest.approx(3.5e-4) and fit.steps == len(steps) and fit.tokens == sum(map(len, steps))
-    # Nothing beyond the single server's terms: no per-token cost (not a negative one).
-    assert fit_token_excess(attribute(bare, load_trace([single_trace])), 2e-3, 2e-4).token_s == 0.0
+    assert fit.token_s == pytest.approx(3.5e-4) and fit.offset_s == pytest.approx(-5e-4)
+    assert fit.steps == len(steps) and fit.tokens == sum(map(len, steps))
+    # Steps that cost less the more they stream: no per-token cost (not a negative one).
+    cheaper = _trace(tmp_path / "w1.csv", bare, steps, lambda rows, streamed: 9e-4 + 2e-4 * rows - 1e-4 * streamed)
+    assert fit_token_excess(attribute(bare, load_trace([cheaper])), 9e-4, 2e-4).token_s == 0.0
+    # One row count throughout (a light run alone) cannot separate a per-token cost from a per-step one.
+    ones = _trace(tmp_path / "w2.csv", bare, [[(1, 100)]] * 8, lambda rows, _: 1e-3)
+    with pytest.raises(ConfigError, match="different numbers of tokens"):
+        fit_token_excess(attribute(bare, load_trace([ones])), 9e-4, 2e-4)
 
     real = replace(bare, overhead_step_s=9e-4, overhead_row_s=2e-4, request_s=0.05, router_hop_s=0.03)
     single = sim_bench_folder(tmp_path / "single", real, FleetConfig(), [(0.2, None)])
@@ -348,7 +356,7 @@ def test_router_token_cost_comes_from_the_cluster_workers_step_traces(tmp_path: 
                     step_traces=[single_trace], cluster_step_traces=[cluster_trace])
     assert got.overhead_step_s == pytest.approx(9e-4) and got.overhead_row_s == pytest.approx(2e-4)
     assert got.router_token_s == pytest.approx(3.5e-4)
-    assert "0.350 ms/token" in got.calibration["cluster_step_trace_fit"]
+    assert "0.350 ms/token (per-step offset -0.50 ms" in got.calibration["cluster_step_trace_fit"]
     assert [f["term"] for f in got.calibration["residual_fits"]] == ["router_hop_s"]  # no TPOT-gap search
     with pytest.raises(ConfigError, match="cluster"):
         calibrate(bare, [single], FleetConfig(), step_traces=[single_trace], cluster_step_traces=[cluster_trace])
