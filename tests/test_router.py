@@ -135,6 +135,15 @@ def test_cluster_passes_engine_flags_to_workers() -> None:
     assert not path.exists()
 
 
+def test_cluster_worker_ports_are_distinct_and_never_the_routers(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tokenloom.netutil as netutil
+
+    # The OS hands out 8000 (the router's port, chosen but not yet bound) and 8001 twice.
+    handed = iter([8000, 8001, 8001, 8000, 8002])
+    monkeypatch.setattr(netutil, "free_port", lambda: next(handed))
+    assert netutil.free_ports(2, {8000}) == [8001, 8002]
+
+
 def test_cluster_refuses_a_missing_step_trace_dir(tmp_path: Path) -> None:
     from tokenloom.cli import build_parser
 

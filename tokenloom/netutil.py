@@ -24,6 +24,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """`n` distinct free ports, none of them in `exclude` (a port already chosen but not yet bound, e.g. the
+    router's own when `cluster` picks its workers' ports: the OS can hand the same free port out twice)."""
+    out: list[int] = []
+    while len(out) < n:
+        port = free_port()
+        if port not in exclude and port not in out:
+            out.append(port)
+    return out
+
+
 def wait_until_healthy(base_url: str, timeout: float = 120.0, path: str = "/health",
                        alive: Callable[[], bool] | None = None) -> None:
     """Poll `GET path` until it answers 200; raise TimeoutError if it has not within `timeout` s, or at

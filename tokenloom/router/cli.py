@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tokenloom.engine_args import add_engine_args, engine_argv
 from tokenloom.errors import ConfigError
+from tokenloom.netutil import free_ports
 from tokenloom.router.app import build_router_app
 from tokenloom.router.cluster import LocalWorkers
 from tokenloom.router.config import POLICIES, RouterConfig
@@ -89,7 +90,8 @@ def add_cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("--kv-secret-file", default=None, metavar="PATH", help="--kv-secret read from this file")
     p.add_argument("--step-trace-dir", default=None, metavar="DIR",
                    help="each worker writes its `serve --step-trace` to DIR/worker-I.csv (decode workers first, "
-                        "then prefill workers; I counts from 0 over all of them); DIR must exist")
+                        "then prefill workers; I counts from 0 over all of them; a restarted worker starts its file "
+                        "again); DIR must exist")
     router_args(p, default_port=8000)
     add_engine_args(p)
     p.set_defaults(func=_run_cluster)
@@ -138,7 +140,9 @@ def _run_cluster(args: argparse.Namespace) -> int:
     if args.prefill_workers < 0:
         raise ConfigError(f"--prefill-workers must be >= 0 (got {args.prefill_workers})")
     total = args.workers + args.prefill_workers
-    ports = args.worker_ports or [None] * total
+    # Free ports chosen here, not by each worker: none may be the router's own (not yet bound, so the OS
+    # can hand it out again; a prefill worker once got it, and the router then failed to start).
+    ports = args.worker_ports or free_ports(total, {args.port})
     if len(ports) != total:
         raise ConfigError(f"--worker-ports: {len(ports)} ports given for {total} workers")
     if args.port in ports:
