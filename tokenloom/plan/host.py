@@ -109,7 +109,9 @@ def fit_token_excess(attributed: pd.DataFrame, step_s: float, row_s: float) -> T
     host whose cores the workers share, that CPU is taken from the steps: the simulator's router_token_s.
     The line's intercept is the workers' own speed against the single server's process at no tokens (on
     the 2-core Xeon a cluster worker's 1-row steps ran 0.5 ms faster than the single server's a few minutes
-    earlier): a difference between processes, not a cost of the router, so it is reported, not charged.
+    earlier): taken for a difference between processes, not a cost of the router, so it is reported, not
+    charged. A known weakness: in plan validation run 20 the workers' excess was +2.03 ms per step with no
+    slope, so nothing was charged and the cluster simulated 6-52% short (docs/benchmarks.md, "Run 20").
     From the workers' own traces, thousands of steps, not the gap between two TPOT medians (on the 2-core
     Xeon a concurrency-8 point's TPOT gap fitted 0.15 ms in one run and 0.01 in the next; the traced steps
     of a 2-worker cluster at 4 and 8 req/s gave 0.3-0.6 ms, docs/benchmarks.md, "A 2-worker cluster's
