@@ -153,12 +153,12 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
     # router's per-token cost (tokenloom/plan/calibrate.py).
     traced = name in ("single", "cluster-2") and not a.no_step_trace
     trace_dir = a.out / f"step-traces-{name}"
-    if name == "single":
-        trace_flags = ["--step-trace", str(trace)] if traced else []
-    else:
-        if traced:
-            trace_dir.mkdir(parents=True, exist_ok=True)
-        trace_flags = ["--step-trace-dir", str(trace_dir)] if traced else []
+    trace_flags = []
+    if traced and name == "single":
+        trace_flags = ["--step-trace", str(trace)]
+    elif traced:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        trace_flags = ["--step-trace-dir", str(trace_dir)]
     proc = subprocess.Popen(tl(*cmd, "--port", str(port), *ENGINE, *trace_flags))
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", timeout=900, alive=lambda: proc.poll() is None)

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from tokenloom.netutil import free_port, wait_until_healthy
+from tokenloom.netutil import wait_until_healthy
 from tokenloom.errors import NoHealthyWorker
 
 log = logging.getLogger("tokenloom.router")
@@ -63,14 +63,14 @@ def describe_exit(code: int) -> str:
 
 
 class LocalWorkers:
-    """Starts `tokenloom serve --host HOST --port P <serve_argv> <own_argv[i]>` once per port (a free one
-    where None; `own_argv[i]`: worker i's own flags, such as its --role); supervise() restarts the ones that
-    die; stop() ends them all (and the supervision)."""
+    """Starts `tokenloom serve --host HOST --port P <serve_argv> <own_argv[i]>` once per port (`cluster`
+    picks free ones with netutil.free_ports; `own_argv[i]`: worker i's own flags, such as its --role);
+    supervise() restarts the ones that die; stop() ends them all (and the supervision)."""
 
-    def __init__(self, ports: Sequence[int | None], host: str, serve_argv: Sequence[str],
+    def __init__(self, ports: Sequence[int], host: str, serve_argv: Sequence[str],
                  own_argv: Sequence[Sequence[str]] | None = None, restart_backoff: float = 1.0,
                  max_backoff: float = 30.0, stable_after: float = 60.0, poll_interval: float = 0.2) -> None:
-        self.ports = [p if p is not None else free_port() for p in ports]
+        self.ports = list(ports)
         self.host = host
         self.serve_argv = list(serve_argv)
         self.own_argv = [list(a) for a in own_argv] if own_argv is not None else [[] for _ in self.ports]
