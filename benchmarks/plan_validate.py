@@ -20,15 +20,17 @@ knee is low (`--rate-fractions 0.125,0.25,0.5,1,2` brings it back). Keep the mac
       with its own seed, so that no judged prompt is in the server's prefix cache from them): every
       set-up at concurrency 1 (or --calibration-load poisson: at --calibration-rate), and the single
       server also at concurrency 8 and 32 and open loop at 0.75 x the knee the bare profile predicts
-      (OPEN_LOAD), the 2-worker cluster at 8, the split fleet at 4. `plan calibrate`
+      (OPEN_LOAD), the 2-worker cluster at 8 and open loop at 0.75 x its knee as the profile calibrated so
+      far predicts (OPEN), the split fleet at 4. `plan calibrate`
       then fits, with
       everything measured so far:
       per step + per row from the single server's step trace of those runs (`serve --step-trace`: each
       served decode step against the profile's price for its rows; --no-step-trace: from the runs' TPOT
       medians instead) and per request (light TTFT less the simulated one); the
-      router hop (light) and per-token router cost from the 2-worker cluster (its workers' step traces over
-      its calibration runs, `cluster --step-trace-dir`: their decode steps' time beyond the single
-      server's overhead, per streamed token; --no-step-trace: its loaded TPOT gap); the prefill -> decode
+      router hop (light) and per-step and per-token router cost from the 2-worker cluster (its workers' step
+      traces over its loaded and open-loop calibration runs, `cluster --step-trace-dir`: their decode steps'
+      time beyond the single server's overhead, a line in the tokens each streamed; --no-step-trace: the
+      per-token cost from its loaded TPOT gap); the prefill -> decode
       handoff (light) and the interference of streams with prefills (loaded) from the split cluster, the
       router terms refitted with it (see tokenloom/plan/calibrate.py). The split set-up uses the router
       terms only if cluster-2 ran before it. The fit is printed.
@@ -98,6 +100,12 @@ SETUPS: dict[str, tuple[list[str], FleetConfig]] = {
 # above the knee are full of; the step cost refitted on the trace then prices them (run 12's judged
 # single-server steps with a chunk ran 4-6 ms over the price). Not one of the judged rates.
 OPEN_LOAD = 0.75
+# The set-ups calibrated open loop too. The 2-worker cluster's router terms are fitted from its workers'
+# traced decode steps over its concurrency-8 and open-loop runs only: at concurrency 1 one
+# worker steps at a time, which no judged rate does. In plan validation runs 17-20 its 1-row steps cost
+# 0.07-1.9 ms more than the single server's at concurrency 1 and 0.9-1.9 ms in the judged Poisson runs
+# at 1.5-4 req/s, where both workers step at once (run 19: 0.07 against 1.87).
+OPEN = ("single", "cluster-2")
 # The cluster's router per-token cost shows only when both workers stream at once: concurrency 8.
 # The split fleet's interference (its decode worker's streams slowing its prefill worker) shows when prompts
 # arrive while others stream: concurrency 4.
@@ -131,6 +139,12 @@ def predicted_rates(prof: Profile, fleet: FleetConfig, a: argparse.Namespace,
     return [k * f for f in (a.rate_fractions if fractions is None else fractions)]
 
 
+def trace_lines(path: Path) -> int:
+    """Lines in a step trace so far, its header included (the engine flushes it when it goes idle)."""
+    with path.open("rb") as f:
+        return sum(1 for _ in f)
+
+
 def bench(port: int, out: Path, load: list[str], a: argparse.Namespace, seed: int) -> Path:
     """One `bench serve` call. Prompts come from `seed`: runs on one server start need distinct seeds, or a
     later run's prompts are prefix-cache hits of an earlier one's (the simulation's replayed prompts never
@@ -150,7 +164,7 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
     port = free_port()
     trace = a.out / f"step-trace-{name}.csv"
     # The single server's trace fits the per-step and per-row overhead, the 2-worker cluster's workers' the
-    # router's per-token cost (tokenloom/plan/calibrate.py).
+    # router's per-step and per-token cost (tokenloom/plan/calibrate.py).
     traced = name in ("single", "cluster-2") and not a.no_step_trace
     trace_dir = a.out / f"step-traces-{name}"
     trace_flags = []
@@ -167,10 +181,13 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
             light = (["--concurrency", "1"] if a.calibration_load == "concurrency1"
                      else ["--request-rate", f"{a.calibration_rate:g}"])
             calibrated[name] = [bench(port, a.out / f"calibration-{name}", light + n, a, a.seed + 1000)]
+            # The cluster's light run keeps one worker busy at a time: its steps are left out of the router's
+            # fit (see OPEN), the lines its workers' traces have now.
+            skip = {w: trace_lines(w) for w in trace_dir.glob("worker-*.csv")} if traced and name != "single" else {}
             if name in LOADED:
                 calibrated[name].append(bench(port, a.out / f"calibration-{name}-loaded", LOADED[name] + n, a,
                                               a.seed + 2000))
-            if name == "single":  # open loop near the knee: the step mix of the judged runs (see OPEN_LOAD)
+            if name in OPEN:  # open loop near the knee: the step mix of the judged runs (see OPEN_LOAD)
                 rate = round(OPEN_LOAD * predicted_rates(prof, fleet, a, [1.0])[0], 2)
                 calibrated[name].append(bench(port, a.out / f"calibration-{name}-open",
                                               ["--request-rate", f"{rate:g}"] + n, a, a.seed + 3000))
@@ -183,7 +200,8 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
                 calibrated["cluster-trace"] = []
                 for worker in sorted(trace_dir.glob("worker-*.csv")):
                     snapshot = a.out / f"step-trace-calibration-{name}-{worker.stem}.csv"
-                    snapshot.write_bytes(worker.read_bytes())
+                    header, *steps = worker.read_text().splitlines(keepends=True)
+                    snapshot.write_text(header + "".join(steps[max(0, skip.get(worker, 1) - 1):]))
                     calibrated["cluster-trace"].append(snapshot)
             print(f"== calibrating with {', '.join(calibrated)}", flush=True)
             prof = calibrated_profile(bare, calibrated, a)

@@ -172,6 +172,10 @@ def test_per_request_overheads_and_the_router_hop_are_hand_computed() -> None:
     s = fleet_summary(res)
     assert s["ttft_s_median"] == pytest.approx(0.092) and s["e2el_s_median"] == pytest.approx(0.136)
     assert s["tpot_s_median"] == pytest.approx((0.136 - 0.092) / 2)  # the bench's TPOT includes the tail
+    # A per-step router cost (1 ms) lengthens every step of a colocated worker behind the router: 13 ms.
+    for x in simulate(replace(r, router_step_s=0.001), FleetConfig(workers=2),
+                      [req(0.0, 8, 3), req(0.0, 8, 3, 100)]).records:
+        assert x.token_times == pytest.approx([0.093, 0.106, 0.119])
     # The same two workers without a router (router=False) pay none of the router's terms.
     (x, _) = simulate(r, FleetConfig(workers=2, router=False), [req(0.0, 8, 3), req(0.0, 8, 3, 100)]).records
     assert x.token_times == pytest.approx([0.06, 0.07, 0.08])
@@ -182,8 +186,10 @@ def test_split_handoff_adds_to_the_kv_transfer() -> None:
     # .08-.09 streams nothing (no router token cost); transfer 3.2 s (3,200 bytes at 1 KB/s) + .5 latency
     # + .1 handoff -> 3.89, imported at once (no copy time); the request then passes the decode worker's
     # HTTP layer (.05): enqueued 3.94; the decode step takes 10 + 2 ms: tokens 3.952, 3.964, end 3.984.
+    # The router's per-step cost is a colocated worker's (its peers step as often as it does): neither the
+    # prefill nor the decode worker pays it.
     p = Profile("measured", "fake", profile((0.01,)).cost, 16, 100, 100.0, 8, 64, 4096, request_s=0.05,
-                response_s=0.02, router_hop_s=0.03, router_token_s=0.002, handoff_s=0.1)
+                response_s=0.02, router_hop_s=0.03, router_step_s=0.005, router_token_s=0.002, handoff_s=0.1)
     fleet = FleetConfig(workers=1, prefill_workers=1, link_bandwidth=1000.0, link_latency_s=0.5)
     (r,) = simulate(p, fleet, [req(0.0, 32, 2)]).records
     assert r.kv_transfer_s == pytest.approx(3.8)
@@ -325,29 +331,35 @@ def _trace(path: Path, prof: Profile, steps: list[list[tuple[int, int]]], extra:
     return path
 
 
-def test_router_token_cost_comes_from_the_cluster_workers_step_traces(tmp_path: Path) -> None:
+def test_router_costs_come_from_the_cluster_workers_step_traces(tmp_path: Path) -> None:
     from tokenloom.plan.calibrate import calibrate
-    from tokenloom.plan.host import attribute, fit_token_excess, load_trace
+    from tokenloom.plan.host import attribute, fit_router_excess, load_trace
 
     # "Reality": a served single-server step costs 0.9 ms + 0.2 ms per row more than the profile says; a
-    # cluster worker's step 0.35 ms per streamed token more again (the router proxying each token on the
-    # same cores), its process 0.5 ms per step faster (an offset between processes: reported, not charged).
-    # Decode steps of 1 to 8 rows at context 100.
+    # cluster worker's step 0.5 ms per step and 0.35 ms per streamed token more again (the router proxying
+    # each token and the other worker on the same cores). Decode steps of 1 to 8 rows at context 100.
     bare = profile((0.002, 1e-5, 2e-4))
     steps = [[(1, 100)] * n for n in (1, 2, 3, 4, 5, 6, 7, 8) * 4]
     single_trace = _trace(tmp_path / "single.csv", bare, steps, lambda rows, _: 9e-4 + 2e-4 * rows)
     cluster_trace = _trace(tmp_path / "w0.csv", bare, steps,
-                           lambda rows, streamed: 4e-4 + 2e-4 * rows + 3.5e-4 * streamed)
-    fit = fit_token_excess(attribute(bare, load_trace([cluster_trace])), 9e-4, 2e-4)
-    assert fit.token_s == pytest.approx(3.5e-4) and fit.offset_s == pytest.approx(-5e-4)
+                           lambda rows, streamed: 1.4e-3 + 2e-4 * rows + 3.5e-4 * streamed)
+    fit = fit_router_excess(attribute(bare, load_trace([cluster_trace])), 9e-4, 2e-4)
+    assert fit.step_s == pytest.approx(5e-4) and fit.token_s == pytest.approx(3.5e-4)
+    assert fit.median_abs_error_s == pytest.approx(0.0, abs=1e-9)
     assert fit.steps == len(steps) and fit.tokens == sum(map(len, steps))
-    # Steps that cost less the more they stream: no per-token cost (not a negative one).
-    cheaper = _trace(tmp_path / "w1.csv", bare, steps, lambda rows, streamed: 9e-4 + 2e-4 * rows - 1e-4 * streamed)
-    assert fit_token_excess(attribute(bare, load_trace([cheaper])), 9e-4, 2e-4).token_s == 0.0
+    # Steps that cost less the more they stream: a per-step cost and no per-token one (not a negative one).
+    cheaper = _trace(tmp_path / "w1.csv", bare, steps,
+                     lambda rows, streamed: 9e-4 + 2e-3 + 2e-4 * rows - 1e-4 * streamed)
+    got = fit_router_excess(attribute(bare, load_trace([cheaper])), 9e-4, 2e-4)
+    assert got.token_s == 0.0 and 0.0 < got.step_s < 2e-3
+    # Workers faster than the single server (the machine's drift): no cost, not a negative one.
+    faster = _trace(tmp_path / "w3.csv", bare, steps, lambda rows, _: 2e-4 * rows)
+    got = fit_router_excess(attribute(bare, load_trace([faster])), 9e-4, 2e-4)
+    assert got.step_s == 0.0 and got.token_s == 0.0
     # One row count throughout (a light run alone) cannot separate a per-token cost from a per-step one.
     ones = _trace(tmp_path / "w2.csv", bare, [[(1, 100)]] * 8, lambda rows, _: 1e-3)
     with pytest.raises(ConfigError, match="different numbers of tokens"):
-        fit_token_excess(attribute(bare, load_trace([ones])), 9e-4, 2e-4)
+        fit_router_excess(attribute(bare, load_trace([ones])), 9e-4, 2e-4)
 
     real = replace(bare, overhead_step_s=9e-4, overhead_row_s=2e-4, request_s=0.05, router_hop_s=0.03)
     single = sim_bench_folder(tmp_path / "single", real, FleetConfig(), [(0.2, None)])
@@ -355,8 +367,8 @@ def test_router_token_cost_comes_from_the_cluster_workers_step_traces(tmp_path: 
     got = calibrate(bare, [single], FleetConfig(), cluster=([cluster], FleetConfig(workers=2)),
                     step_traces=[single_trace], cluster_step_traces=[cluster_trace])
     assert got.overhead_step_s == pytest.approx(9e-4) and got.overhead_row_s == pytest.approx(2e-4)
-    assert got.router_token_s == pytest.approx(3.5e-4)
-    assert "0.350 ms/token (per-step offset -0.50 ms" in got.calibration["cluster_step_trace_fit"]
+    assert got.router_step_s == pytest.approx(5e-4) and got.router_token_s == pytest.approx(3.5e-4)
+    assert got.calibration["cluster_step_trace_fit"].startswith("0.50 ms/step + 0.350 ms/token")
     assert [f["term"] for f in got.calibration["residual_fits"]] == ["router_hop_s"]  # no TPOT-gap search
     with pytest.raises(ConfigError, match="cluster"):
         calibrate(bare, [single], FleetConfig(), step_traces=[single_trace], cluster_step_traces=[cluster_trace])

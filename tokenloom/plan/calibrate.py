@@ -19,9 +19,9 @@ each a least-squares fit of a constant or a line to a few measured `bench serve`
    - response_s (last token -> end of response): the median over the light points' records of
      e2el - ttft - (output_tokens - 1) x itl_mean, the time from the last streamed chunk to the end.
    These are refitted in turn until they settle (more overhead means more rows in flight).
-2. A cluster behind the router (optional): router_token_s from its workers' step traces where given (their
-   decode steps' time beyond the single server's per-step and per-row terms, per streamed token:
-   plan/host.py fit_token_excess), else from its loaded points (e.g. concurrency 8,
+2. A cluster behind the router (optional): router_step_s and router_token_s from its workers' step traces
+   where given (their decode steps' time beyond the single server's per-step and per-row terms, a line in
+   the streamed tokens: plan/host.py fit_router_excess), else router_token_s from its loaded points (e.g. concurrency 8,
    where both workers stream while the router proxies every token on the same cores): the measured less
    the simulated median TPOT per running row as a first guess, bracketed, then regula falsi to a zero
    mean gap (`_per_token_fit`); without loaded points, from the light ones (about one streamed row per
@@ -231,8 +231,8 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     With `step_traces` (`serve --step-trace` of the same server's calibration runs) the step cost is refitted
     with the served steps, and the per-step and per-row overhead come from the traced steps themselves
     (plan/host.py) instead of the TPOT regression. With `cluster_step_traces` (the cluster's workers'
-    traces over its calibration runs) router_token_s is their decode steps' cost beyond the single server's
-    per-step and per-row terms, per streamed token (host.fit_token_excess), not the loaded TPOT gap."""
+    traces over its calibration runs) router_step_s and router_token_s are their decode steps' cost beyond
+    the single server's per-step and per-row terms (host.fit_router_excess), not the loaded TPOT gap."""
     points = [pt for folder in folders for pt in bench_points(folder) if pt[0].get("tpot_s_median") is not None]
     need = 1 if step_traces else 2
     if len(points) < need:
@@ -256,7 +256,8 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     used: list[dict[str, Any]] = []
     for _ in range(rounds):
         cur = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
-                      router_hop_s=0.0, router_token_s=0.0, handoff_s=0.0, interference_step_s=0.0)
+                      router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, handoff_s=0.0,
+                      interference_step_s=0.0)
         xs, ys, used, gaps = [], [], [], []
         for (point, _), reqs in zip(points, requests):
             s = fleet_summary(simulate(cur, fleet, reqs, seed))
@@ -277,7 +278,8 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
             a, b = (float(v) for v in nnls(np.array(xs), np.array(ys)))
         req = max(0.0, float(np.mean(gaps))) if gaps else 0.0
     out = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
-                  router_hop_s=0.0, router_token_s=0.0, handoff_s=0.0, interference_step_s=0.0)
+                  router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, handoff_s=0.0,
+                  interference_step_s=0.0)
     log(f"single server: {a * 1e3:.2f} ms/step + {b * 1e3:.3f} ms/row; request {req * 1e3:.1f} ms, "
         f"response {response * 1e3:.1f} ms, from {len(used)} points")
     if split is not None and split[1].prefill_workers < 1:
@@ -286,18 +288,19 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     c_pts = (cluster[1], *_light_and_loaded(cluster[0], "tpot_s_median")) if cluster is not None else None
     s_pts = (split[1], *_light_and_loaded(split[0], "ttft_s_median")) if split is not None else None
     fits: list[dict[str, Any]] = []
-    token_fit = None
+    router_fit = None
     if cluster_step_traces:
         if c_pts is None:
             raise ConfigError("the cluster's step traces need its calibration runs (cluster=) too")
-        from tokenloom.plan.host import attribute, fit_token_excess, load_trace
+        from tokenloom.plan.host import attribute, fit_router_excess, load_trace
 
-        token_fit = fit_token_excess(attribute(profile, load_trace(cluster_step_traces)), a, b)
-        log(f"cluster step traces: {token_fit.line()}")
+        router_fit = fit_router_excess(attribute(profile, load_trace(cluster_step_traces)), a, b)
+        log(f"cluster step traces: {router_fit.line()}")
+        out = replace(out, router_step_s=router_fit.step_s)
     if c_pts is not None:
         c_fleet, c_light, c_loaded = c_pts
-        if token_fit is not None:
-            tok, r1 = token_fit.token_s, []
+        if router_fit is not None:
+            tok, r1 = router_fit.token_s, []
         elif c_loaded:  # the router's per-token cost shows when both workers stream at once, not at concurrency 1
             tok, r1 = _per_token_fit(out, c_fleet, c_loaded, seed, log)
         else:
@@ -322,7 +325,7 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
                                      "fleet_workers": fleet.workers,
                                      "cluster_folders": [str(f) for f in cluster[0]] if cluster else [],
                                      "cluster_step_traces": [str(f) for f in cluster_step_traces or []],
-                                     "cluster_step_trace_fit": None if token_fit is None else token_fit.line(),
+                                     "cluster_step_trace_fit": None if router_fit is None else router_fit.line(),
                                      "split_folders": [str(f) for f in split[0]] if split else []})
 
 
@@ -330,5 +333,5 @@ def overheads_line(prof: Profile) -> str:
     """The calibrated terms in one line (milliseconds)."""
     return (f"{prof.overhead_step_s * 1e3:.2f} ms/step + {prof.overhead_row_s * 1e3:.3f} ms/row; per request "
             f"{prof.request_s * 1e3:.1f} ms in + {prof.response_s * 1e3:.1f} ms out; router {prof.router_hop_s * 1e3:.1f} "
-            f"ms/request + {prof.router_token_s * 1e3:.2f} ms/token; split handoff +{prof.handoff_s * 1e3:.1f} ms; "
+            f"ms/request + {prof.router_step_s * 1e3:.2f} ms/step + {prof.router_token_s * 1e3:.2f} ms/token; split handoff +{prof.handoff_s * 1e3:.1f} ms; "
             f"interference {prof.interference_step_s * 1e3:.2f} ms per streaming step/s of other workers")

@@ -101,7 +101,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                          "overhead from its steps instead of from the runs' TPOT medians")
     ca.add_argument("--cluster-step-trace", type=Path, nargs="+", default=None,
                     help="the cluster workers' step traces over the --cluster-bench runs (`cluster --step-trace-dir`): "
-                         "fits the router's per-token cost from their steps instead of from the loaded TPOT")
+                         "fits the router's per-step and per-token cost from their steps instead of the per-token "
+                         "cost from the loaded TPOT (leave out steps of a concurrency-1 run: one worker steps at "
+                         "a time there)")
     ca.add_argument("--seed", type=int, default=0)
     ca.add_argument("--out", type=Path, required=True, help="the calibrated profile")
     ca.set_defaults(func=_calibrate)

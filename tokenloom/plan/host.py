@@ -91,41 +91,41 @@ def fit_overheads(attributed: pd.DataFrame) -> HostFit:
 
 
 @dataclass(frozen=True)
-class TokenFit:
-    token_s: float  # per streamed token, beyond the single server's per-step and per-row terms
-    offset_s: float  # per step: the workers' steps against the single server's at no tokens (not simulated)
+class RouterFit:
+    step_s: float  # per step of a worker behind the router, beyond the single server's overhead
+    token_s: float  # per streamed token, likewise
     steps: int  # decode steps fitted
     tokens: int  # tokens they streamed
+    median_abs_error_s: float  # of the fitted excess per step
 
     def line(self) -> str:
-        return (f"{self.token_s * 1e3:.3f} ms/token (per-step offset {self.offset_s * 1e3:+.2f} ms, not simulated), "
-                f"from {self.steps} served decode steps streaming {self.tokens} tokens")
+        return (f"{self.step_s * 1e3:.2f} ms/step + {self.token_s * 1e3:.3f} ms/token, from {self.steps} served "
+                f"decode steps streaming {self.tokens} tokens (median |error| {self.median_abs_error_s * 1e3:.2f} ms)")
 
 
-def fit_token_excess(attributed: pd.DataFrame, step_s: float, row_s: float) -> TokenFit:
+def fit_router_excess(attributed: pd.DataFrame, step_s: float, row_s: float) -> RouterFit:
     """What a cluster's traced decode steps cost beyond a single server's overhead (`step_s` + `row_s` x
-    rows), per streamed token: the slope of a least-squares line of that excess against the step's streamed
-    tokens, clipped at 0. Behind the router every token is also proxied by the router process, and on a
-    host whose cores the workers share, that CPU is taken from the steps: the simulator's router_token_s.
-    The line's intercept is the workers' own speed against the single server's process at no tokens (on
-    the 2-core Xeon a cluster worker's 1-row steps ran 0.5 ms faster than the single server's a few minutes
-    earlier): taken for a difference between processes, not a cost of the router, so it is reported, not
-    charged. A known weakness: in plan validation run 20 the workers' excess was +2.03 ms per step with no
-    slope, so nothing was charged and the cluster simulated 6-52% short (docs/benchmarks.md, "Run 20").
-    From the workers' own traces, thousands of steps, not the gap between two TPOT medians (on the 2-core
-    Xeon a concurrency-8 point's TPOT gap fitted 0.15 ms in one run and 0.01 in the next; the traced steps
-    of a 2-worker cluster at 4 and 8 req/s gave 0.3-0.6 ms, docs/benchmarks.md, "A 2-worker cluster's
-    steps")."""
+    rows): a line in the step's streamed tokens, non-negative least squares, both terms charged (the
+    simulator's router_step_s and router_token_s). Behind the router every token is also proxied by the
+    router process, and on a host whose cores the workers share that CPU is taken from the steps: the
+    per-token term. The per-step term is what a worker's step costs beside another worker and the router
+    whatever it streams (its event loop waits longer for a core; plan validation run 20 on the 2-core Xeon:
+    +2.03 ms per step and no slope, which the per-token term alone had left uncharged, the cluster
+    simulated 6-52% short: docs/benchmarks.md, "Run 20"). Non-negative: in run 17 the workers' 1-row
+    steps ran 0.6 ms faster than the single server's a few minutes earlier, which is the machine's drift,
+    not a saving a router brings. From the workers' own traces, thousands of steps, not the gap between two
+    TPOT medians (on the 2-core Xeon a concurrency-8 point's TPOT gap fitted 0.15 ms in one run and 0.01
+    in the next)."""
     dec = attributed[attributed["decode_only"] & (attributed["streamed"] > 0)]
     tokens = dec["streamed"].to_numpy(float)
     if len(dec) < 3 or np.ptp(tokens) == 0:
-        raise ConfigError(f"fitting the per-token cost needs traced decode steps streaming different numbers of "
+        raise ConfigError(f"fitting the router's cost needs traced decode steps streaming different numbers of "
                           f"tokens (a light and a loaded run), got {len(dec)} steps streaming "
                           f"{sorted(set(tokens.astype(int).tolist()))[:8]}")
     excess = dec["overhead"].to_numpy(float) - (step_s + row_s * dec["num_rows"].to_numpy(float))
     a = np.column_stack([np.ones(len(dec)), tokens])
-    (offset, slope), *_ = np.linalg.lstsq(a, excess, rcond=None)
-    return TokenFit(max(0.0, float(slope)), float(offset), len(dec), int(tokens.sum()))
+    x = nnls(a, excess)
+    return RouterFit(float(x[0]), float(x[1]), len(dec), int(tokens.sum()), float(np.median(np.abs(a @ x - excess))))
 
 
 def refit_cost(profile: Profile, df: pd.DataFrame) -> tuple[Profile, str]:

@@ -14,8 +14,8 @@ from tokenloom.plan.cost_model import LinearStepCost, StepCost
 
 MEASURED = "measured"
 # The serving-time terms `plan calibrate` fits (seconds), beside the engine step's cost.
-OVERHEADS = ("overhead_step_s", "overhead_row_s", "request_s", "response_s", "router_hop_s", "router_token_s",
-             "handoff_s", "interference_step_s")
+OVERHEADS = ("overhead_step_s", "overhead_row_s", "request_s", "response_s", "router_hop_s", "router_step_s",
+             "router_token_s", "handoff_s", "interference_step_s")
 # Engine time per KV block that a split fleet's handoff holds each engine for (seconds; measured by `plan
 # profile`, 0 in older and analytic profiles): the prefill worker's export of a finished prompt's blocks
 # (disagg/blocks.py export_prefix, run on its engine thread before its next step) and the decode
@@ -49,8 +49,11 @@ class Profile:
     response_s: float = 0.0
     # Fleets behind a router (a `tokenloom cluster`: a separate Python process that proxies every stream):
     # router_hop_s once per request (its HTTP parse, routing, the connection to the worker);
-    # router_token_s per streamed token, on the CPU the workers share (see simulator.SimWorker).
+    # router_step_s per step and router_token_s per streamed token of a worker behind it, beyond the single
+    # server's overhead: the CPU the router and the other workers take from the cores they all share
+    # (see simulator.SimWorker).
     router_hop_s: float = 0.0
+    router_step_s: float = 0.0
     router_token_s: float = 0.0
     # Split fleets: the prefill -> decode handoff beyond bytes / link bandwidth (the prefill HTTP round
     # trip, KV export and import, the ZeroMQ send, the decode request's set-up).

@@ -24,9 +24,10 @@ decode worker's engine per 128-token prompt before disagg/blocks.py copied all b
 Per-request serving time (the profile's calibrated terms, 0 in a bare profile) delays a request without
 holding an engine: it reaches its worker's scheduler `request_s` after it arrives (plus `router_hop_s`
 behind a router), and its response ends `response_s` after its last token. A split fleet's handoff takes
-bytes / link bandwidth + link latency + the profile's `handoff_s`. Behind a router, every streamed token
-also costs `router_token_s` of CPU that the router takes from the cores the workers run on (on the
-measured machine all processes share them), so it lengthens the step that produced the token. And each
+bytes / link bandwidth + link latency + the profile's `handoff_s`. Behind a router, every streamed token costs
+`router_token_s` and every step of a colocated worker `router_step_s`: the CPU that the router and the
+other workers take from the cores they all share on the measured machine, so it lengthens the step that
+produced the token. And each
 step per second that the other workers stream tokens in slows a step that computes prompt tokens by the
 profile's `interference_step_s` seconds per second (the fleet's workers share the host the profile was
 calibrated on): a split fleet's prefill runs slower while its decode worker streams. Per streaming step,
@@ -148,8 +149,13 @@ class SimWorker:
         self.steps = 0
         self.busy_s = 0.0
         self.samples: list[tuple[int, int, float]] = []  # per step: (waiting, running, KV usage)
-        # The router's CPU per token this worker streams through it (a prefill worker streams none).
-        self.token_s = profile.router_token_s if fleet.behind_router and role != "prefill" else 0.0
+        # Behind the router, the shared cores' cost per token this worker streams through it (a prefill
+        # worker streams none), and per step of a colocated worker, whose peers step as often as it does (a
+        # split fleet's decode worker shares its cores with a prefill worker that is mostly idle: charged
+        # per step, its light-load TPOT came out 46% high in a re-judged plan validation run 20).
+        routed = fleet.behind_router and role != "prefill"
+        self.router_step_s = profile.router_step_s if fleet.behind_router and role == "worker" else 0.0
+        self.token_s = profile.router_token_s if routed else 0.0
         self.stream_rate = 0.0  # 1 / its step's duration while a step that streams tokens is in flight, else 0
         # A split fleet's KV handoff copies on the engine thread between steps (the profile's per-block
         # export / import times): held until then, no step starts; imports that arrive during a step wait.
@@ -173,7 +179,7 @@ class SimWorker:
         self.samples.append((self.scheduler.num_waiting, self.scheduler.num_running, self.kv.usage))
         # Rows whose step reaches the end of their known tokens sample one token each (see finish_step).
         streamed = sum(1 for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens)
-        dt = self.profile.step_time(rows) + self.token_s * streamed
+        dt = self.profile.step_time(rows) + self.router_step_s + self.token_s * streamed
         if any(n > 1 for n in batch.num_new_tokens):
             # Interference slows prompt computation (measured: a split fleet's TTFT grows with the decode
             # worker's streams); decode-only steps showed none (a 2-worker cluster's TPOT at concurrency 8).
