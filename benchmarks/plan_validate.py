@@ -20,7 +20,7 @@ knee is low (`--rate-fractions 0.125,0.25,0.5,1,2` brings it back). Keep the mac
       with its own seed, so that no judged prompt is in the server's prefix cache from them): every
       set-up at concurrency 1 (or --calibration-load poisson: at --calibration-rate), and the single
       server also at concurrency 8 and 32 and open loop at 0.75 x the knee the bare profile predicts
-      (OPEN_LOAD), the 2-worker cluster at 8 and open loop at 0.75 x its knee as the profile calibrated so
+      (OPEN_LOAD), the 2-worker cluster at 8 and 32 and open loop at 0.75 x its knee as the profile calibrated so
       far predicts (OPEN), the split fleet at 4. `plan calibrate`
       then fits, with
       everything measured so far:
@@ -101,15 +101,17 @@ SETUPS: dict[str, tuple[list[str], FleetConfig]] = {
 # single-server steps with a chunk ran 4-6 ms over the price). Not one of the judged rates.
 OPEN_LOAD = 0.75
 # The set-ups calibrated open loop too. The 2-worker cluster's router terms are fitted from its workers'
-# traced decode steps over its concurrency-8 and open-loop runs only: at concurrency 1 one
+# traced decode steps over its concurrency-8, 32 and open-loop runs only: at concurrency 1 one
 # worker steps at a time, which no judged rate does. In plan validation runs 17-20 its 1-row steps cost
 # 0.07-1.9 ms more than the single server's at concurrency 1 and 0.9-1.9 ms in the judged Poisson runs
 # at 1.5-4 req/s, where both workers step at once (run 19: 0.07 against 1.87).
 OPEN = ("single", "cluster-2")
-# The cluster's router per-token cost shows only when both workers stream at once: concurrency 8.
+# The cluster's router costs show only when both workers stream at once: concurrency 8, and 32 for many
+# rows per worker (in runs 21-22, calibrated without it, its workers' judged steps of 8-64 rows cost 3.6-7.5
+# ms more than their price, against 0.9-2.4 ms in the calibration's steps of up to 8 rows).
 # The split fleet's interference (its decode worker's streams slowing its prefill worker) shows when prompts
 # arrive while others stream: concurrency 4.
-LOADED = {"single": ["--concurrency", "8,32"], "cluster-2": ["--concurrency", "8"], "split-1P1D": ["--concurrency", "4"]}
+LOADED = {"single": ["--concurrency", "8,32"], "cluster-2": ["--concurrency", "8,32"], "split-1P1D": ["--concurrency", "4"]}
 METRICS = ("ttft_s_median", "ttft_s_p99", "tpot_s_median", "tpot_s_p99")
 # What a sweep's rows carry per side (measured / sim), medians over the repeats in the judged rows.
 FIGURES = (*METRICS, "out_tok_s", "e2el_p95")
