@@ -20,8 +20,8 @@ knee is low (`--rate-fractions 0.125,0.25,0.5,1,2` brings it back). Keep the mac
       with its own seed, so that no judged prompt is in the server's prefix cache from them): every
       set-up at concurrency 1 (or --calibration-load poisson: at --calibration-rate), and the single
       server also at concurrency 8 and 32 and open loop at 0.75 x the knee the bare profile predicts
-      (OPEN_LOAD), the 2-worker cluster at 8 and 32 and open loop at 0.75 and 1.5 x its knee as the
-      profile calibrated so far predicts (OPEN), the split fleet at 4. `plan calibrate`
+      (OPEN_LOAD), the 2-worker cluster at 8 and 32 and open loop at 0.75 x its knee as the profile
+      calibrated so far predicts (OPEN), the split fleet at 4. `plan calibrate`
       then fits, with
       everything measured so far:
       per step + per row from the single server's step trace of those runs (`serve --step-trace`: each
@@ -105,12 +105,10 @@ OPEN_LOAD = 0.75
 # concurrency-8 and 32 and open-loop runs only: at concurrency 1 one worker steps at a time, which no judged
 # rate does (runs 17-20: its 1-row steps cost 0.07-1.9 ms more than the single server's at concurrency 1
 # and 0.9-1.9 ms in the judged Poisson runs at 1.5-4 req/s, where both workers step at once; run 19: 0.07
-# against 1.87). And above its knee too (1.5 x): Poisson bursts put many rows on both workers while
-# requests keep arriving, which the closed loops do not (runs 21-23, fitted without it: the judged steps
-# of 9-16 rows cost 5.0 ms beyond the price against 2.6 at concurrency 32, and the cluster's bursts at 8
-# req/s were simulated 20-30% short; a line fitted to the judged steps themselves, 0.9-1.6 ms per step +
-# 0.3 ms per token, left every row bucket within 1.5 ms). Not one of the judged rates (1/4 .. 2 x).
-OPEN = {"single": (OPEN_LOAD,), "cluster-2": (OPEN_LOAD, 1.5)}
+# against 1.87). Run 24 added a point at 1.5 x the knee, to bring in the judged bursts' many-row steps
+# (9-16 rows: 5.0 ms beyond the price in run 23's judged steps, 2.6 at concurrency 32): 32 requests at 12
+# req/s made few of them and the fit moved little (1.02 ms per step + 0.047 ms per token); left out again.
+OPEN = {"single": (OPEN_LOAD,), "cluster-2": (OPEN_LOAD,)}
 # The cluster's router costs show only when both workers stream at once: concurrency 8, and 32 for many
 # rows per worker (in runs 21-22, calibrated without it, its workers' judged steps of 8-64 rows cost 3.6-7.5
 # ms more than their price, against 0.9-2.4 ms in the calibration's steps of up to 8 rows).
