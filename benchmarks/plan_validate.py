@@ -192,7 +192,7 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
             if name in LOADED:
                 calibrated[name].append(bench(port, a.out / f"calibration-{name}-loaded", LOADED[name] + n, a,
                                               a.seed + 2000))
-            if name in OPEN:  # open loop near (and above) the knee: the step mix of the judged runs
+            if name in OPEN:  # open loop near the knee: the step mix of the judged runs (see OPEN_LOAD)
                 knee_rate = predicted_rates(prof, fleet, a, [1.0])[0]
                 open_rates = ",".join(f"{round(f * knee_rate, 2):g}" for f in OPEN[name])
                 calibrated[name].append(bench(port, a.out / f"calibration-{name}-open",

@@ -21,8 +21,8 @@ each a least-squares fit of a constant or a line to a few measured `bench serve`
    These are refitted in turn until they settle (more overhead means more rows in flight).
 2. A cluster behind the router (optional): router_step_s and router_token_s from its workers' step traces
    where given (their decode steps' time beyond the single server's per-step and per-row terms, a line in
-   the streamed tokens: plan/host.py fit_router_excess), else router_token_s from its loaded points (e.g. concurrency 8,
-   where both workers stream while the router proxies every token on the same cores): the measured less
+   the streamed tokens: plan/host.py fit_router_excess), else router_token_s from its loaded points (e.g.
+   concurrency 8, where both workers stream while the router proxies every token on the same cores): the measured less
    the simulated median TPOT per running row as a first guess, bracketed, then regula falsi to a zero
    mean gap (`_per_token_fit`); without loaded points, from the light ones (about one streamed row per
    step, so the gap is the per-token cost). Then router_hop_s = measured - simulated median TTFT at the
@@ -333,5 +333,6 @@ def overheads_line(prof: Profile) -> str:
     """The calibrated terms in one line (milliseconds)."""
     return (f"{prof.overhead_step_s * 1e3:.2f} ms/step + {prof.overhead_row_s * 1e3:.3f} ms/row; per request "
             f"{prof.request_s * 1e3:.1f} ms in + {prof.response_s * 1e3:.1f} ms out; router {prof.router_hop_s * 1e3:.1f} "
-            f"ms/request + {prof.router_step_s * 1e3:.2f} ms/step + {prof.router_token_s * 1e3:.2f} ms/token; split handoff +{prof.handoff_s * 1e3:.1f} ms; "
+            f"ms/request + {prof.router_step_s * 1e3:.2f} ms/step + {prof.router_token_s * 1e3:.2f} ms/token; "
+            f"split handoff +{prof.handoff_s * 1e3:.1f} ms; "
             f"interference {prof.interference_step_s * 1e3:.2f} ms per streaming step/s of other workers")

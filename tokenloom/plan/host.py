@@ -109,11 +109,12 @@ def fit_router_excess(attributed: pd.DataFrame, step_s: float, row_s: float) -> 
     simulator's router_step_s and router_token_s). Behind the router every token is also proxied by the
     router process, and on a host whose cores the workers share that CPU is taken from the steps: the
     per-token term. The per-step term is what a worker's step costs beside another worker and the router
-    whatever it streams (its event loop waits longer for a core; plan validation run 20 on the 2-core Xeon:
-    +2.03 ms per step and no slope, which the per-token term alone had left uncharged, the cluster
-    simulated 6-52% short: docs/benchmarks.md, "Run 20"). Non-negative: in run 17 the workers' 1-row
-    steps ran 0.6 ms faster than the single server's a few minutes earlier, which is the machine's drift,
-    not a saving a router brings. From the workers' own traces, thousands of steps, not the gap between two
+    whatever it streams: on the 2-core Xeon mostly the other worker's decode steps, which share the memory
+    bandwidth (a 1-row step took 0.95x its price while the other worker idled and 1.29x while it decoded;
+    plan validation run 20: +2.03 ms per step and no slope, which a per-token term alone left uncharged, the
+    cluster simulated 6-52% short: docs/benchmarks.md, "Run 20" and "Runs 21-23"). Non-negative: in run 17
+    the workers' 1-row steps ran 0.6 ms faster than the single server's a few minutes earlier, which is the
+    machine's drift, not a saving a router brings. From the workers' own traces, thousands of steps, not the gap between two
     TPOT medians (on the 2-core Xeon a concurrency-8 point's TPOT gap fitted 0.15 ms in one run and 0.01
     in the next)."""
     dec = attributed[attributed["decode_only"] & (attributed["streamed"] > 0)]
