@@ -101,13 +101,13 @@ SETUPS: dict[str, tuple[list[str], FleetConfig]] = {
 # above the knee are full of; the step cost refitted on the trace then prices them (run 12's judged
 # single-server steps with a chunk ran 4-6 ms over the price). Not one of the judged rates.
 OPEN_LOAD = 0.75
-# The set-ups calibrated open loop, at these multiples of the knee the profile calibrated so far predicts.
+# The set-ups calibrated open loop (at OPEN_LOAD x the knee the profile calibrated so far predicts).
 # The 2-worker cluster's router terms are fitted from its workers' traced decode steps over its
 # concurrency-8 and 32 and open-loop runs only: at concurrency 1 one worker steps at a time, which no judged
 # rate does (runs 17-20: its 1-row steps cost 0.07-1.9 ms more than the single server's at concurrency 1
 # and 0.9-1.9 ms in the judged Poisson runs at 1.5-4 req/s, where both workers step at once; run 19: 0.07
 # against 1.87).
-OPEN = {"single": (OPEN_LOAD,), "cluster-2": (OPEN_LOAD,)}
+OPEN = ("single", "cluster-2")
 # And a burst above its knee: (x the predicted knee, requests). Poisson arrivals faster than the cluster
 # serves put many rows on both workers while requests keep arriving, which the closed loops do not: run
 # 23's judged steps of 9-16 rows cost 5.0 ms beyond the price, its concurrency-32 ones 2.6, and the
@@ -199,14 +199,14 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
             if name in LOADED:
                 calibrated[name].append(bench(port, a.out / f"calibration-{name}-loaded", LOADED[name] + n, a,
                                               a.seed + 2000))
+            knee_rate = predicted_rates(prof, fleet, a, [1.0])[0] if name in OPEN or name in BURST else 0.0
             if name in OPEN:  # open loop near the knee: the step mix of the judged runs (see OPEN_LOAD)
-                knee_rate = predicted_rates(prof, fleet, a, [1.0])[0]
-                open_rates = ",".join(f"{round(f * knee_rate, 2):g}" for f in OPEN[name])
+                rate = round(OPEN_LOAD * knee_rate, 2)
                 calibrated[name].append(bench(port, a.out / f"calibration-{name}-open",
-                                              ["--request-rate", open_rates] + n, a, a.seed + 3000))
+                                              ["--request-rate", f"{rate:g}"] + n, a, a.seed + 3000))
             if name in BURST:
                 factor, requests = BURST[name]
-                rate = round(factor * predicted_rates(prof, fleet, a, [1.0])[0], 2)
+                rate = round(factor * knee_rate, 2)
                 calibrated[name].append(bench(port, a.out / f"calibration-{name}-burst",
                                               ["--request-rate", f"{rate:g}", "--num-prompts", str(requests)], a,
                                               a.seed + 4000))

@@ -24,14 +24,14 @@ decode worker's engine per 128-token prompt before disagg/blocks.py copied all b
 Per-request serving time (the profile's calibrated terms, 0 in a bare profile) delays a request without
 holding an engine: it reaches its worker's scheduler `request_s` after it arrives (plus `router_hop_s`
 behind a router), and its response ends `response_s` after its last token. A split fleet's handoff takes
-bytes / link bandwidth + link latency + the profile's `handoff_s`. Behind a router, every streamed token costs
-`router_token_s` and every step of a colocated worker `router_step_s`: the CPU that the router and the
-other workers take from the cores they all share on the measured machine, so it lengthens the step that
-produced the token. And each
-step per second that the other workers stream tokens in slows a step that computes prompt tokens by the
-profile's `interference_step_s` seconds per second (the fleet's workers share the host the profile was
-calibrated on): a split fleet's prefill runs slower while its decode worker streams. Per streaming step,
-not per token: every step wakes the router, the client and the HTTP loops once, whatever its rows (on the
+bytes / link bandwidth + link latency + the profile's `handoff_s`. Behind a router, every streamed
+token costs `router_token_s` and every step of a colocated worker `router_step_s`: the CPU that the router
+and the other workers take from the cores they all share on the measured machine, so it lengthens the
+step that produced the token. And each step per second that the other workers stream tokens in slows a
+step that computes prompt tokens by the profile's `interference_step_s` seconds per second (the fleet's
+workers share the host the profile was calibrated on): a split fleet's prefill runs slower while its
+decode worker streams. Per streaming step, not per token: every step wakes the router, the client and
+the HTTP loops once, whatever its rows (on the
 2-core CPU this fitted the split fleet's TTFT better than a per-token charge, 1 and 2 req/s). Only a
 prefill worker's steps: applied to a colocated cluster's prefills too, the term fitted on the split fleet
 priced the 2-worker cluster's light-load TTFT 61-65% high (docs/benchmarks.md, plan validation run 11;
@@ -154,7 +154,7 @@ class SimWorker:
         # split fleet's decode worker shares its cores with a prefill worker that is mostly idle: charged
         # per step, its light-load TPOT came out 46% high in a re-judged plan validation run 20).
         routed = fleet.behind_router and role != "prefill"
-        self.router_step_s = profile.router_step_s if fleet.behind_router and role == "worker" else 0.0
+        self.router_step_s = profile.router_step_s if routed and role == "worker" else 0.0
         self.token_s = profile.router_token_s if routed else 0.0
         self.stream_rate = 0.0  # 1 / its step's duration while a step that streams tokens is in flight, else 0
         # A split fleet's KV handoff copies on the engine thread between steps (the profile's per-block
