@@ -21,7 +21,9 @@ each a least-squares fit of a constant or a line to a few measured `bench serve`
    These are refitted in turn until they settle (more overhead means more rows in flight).
 2. A cluster behind the router (optional): router_step_s and router_token_s from its workers' step traces
    where given (their decode steps' time beyond the single server's per-step and per-row terms, a line in
-   the streamed tokens: plan/host.py fit_router_excess), else router_token_s from its loaded points (e.g.
+   the streamed tokens: plan/host.py fit_router_excess), and from the same traces peer_chunk_ratio (their
+   prompt-chunk steps' time beyond the price and those terms, per unit of price beside another worker's
+   step: fit_peer_chunks; 0 without traces), else router_token_s from its loaded points (e.g.
    concurrency 8, where both workers stream while the router proxies every token on the same cores): the measured less
    the simulated median TPOT per running row as a first guess, bracketed, then regula falsi to a zero
    mean gap (`_per_token_fit`); without loaded points, from the light ones (about one streamed row per
@@ -256,8 +258,8 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     used: list[dict[str, Any]] = []
     for _ in range(rounds):
         cur = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
-                      router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, handoff_s=0.0,
-                      interference_step_s=0.0)
+                      router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, peer_chunk_ratio=0.0,
+                      handoff_s=0.0, interference_step_s=0.0)
         xs, ys, used, gaps = [], [], [], []
         for (point, _), reqs in zip(points, requests):
             s = fleet_summary(simulate(cur, fleet, reqs, seed))
@@ -278,7 +280,7 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
             a, b = (float(v) for v in nnls(np.array(xs), np.array(ys)))
         req = max(0.0, float(np.mean(gaps))) if gaps else 0.0
     out = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
-                  router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, handoff_s=0.0,
+                  router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, peer_chunk_ratio=0.0, handoff_s=0.0,
                   interference_step_s=0.0)
     log(f"single server: {a * 1e3:.2f} ms/step + {b * 1e3:.3f} ms/row; request {req * 1e3:.1f} ms, "
         f"response {response * 1e3:.1f} ms, from {len(used)} points")
@@ -288,15 +290,18 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     c_pts = (cluster[1], *_light_and_loaded(cluster[0], "tpot_s_median")) if cluster is not None else None
     s_pts = (split[1], *_light_and_loaded(split[0], "ttft_s_median")) if split is not None else None
     fits: list[dict[str, Any]] = []
-    router_fit = None
+    router_fit = chunk_fit = None
     if cluster_step_traces:
         if c_pts is None:
             raise ConfigError("the cluster's step traces need its calibration runs (cluster=) too")
-        from tokenloom.plan.host import attribute, fit_router_excess, load_trace
+        from tokenloom.plan.host import attribute, fit_peer_chunks, fit_router_excess, load_trace
 
-        router_fit = fit_router_excess(attribute(profile, load_trace(cluster_step_traces)), a, b)
+        c_trace = attribute(profile, load_trace(cluster_step_traces))
+        router_fit = fit_router_excess(c_trace, a, b)
         log(f"cluster step traces: {router_fit.line()}")
-        out = replace(out, router_step_s=router_fit.step_s)
+        chunk_fit = fit_peer_chunks(c_trace, a, b, router_fit.step_s, router_fit.token_s)
+        log(f"cluster step traces: {chunk_fit.line()}")
+        out = replace(out, router_step_s=router_fit.step_s, peer_chunk_ratio=chunk_fit.ratio)
     if c_pts is not None:
         c_fleet, c_light, c_loaded = c_pts
         if router_fit is not None:
@@ -326,6 +331,7 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
                                      "cluster_folders": [str(f) for f in cluster[0]] if cluster else [],
                                      "cluster_step_traces": [str(f) for f in cluster_step_traces or []],
                                      "cluster_step_trace_fit": None if router_fit is None else router_fit.line(),
+                                     "cluster_chunk_fit": None if chunk_fit is None else chunk_fit.line(),
                                      "split_folders": [str(f) for f in split[0]] if split else []})
 
 
@@ -333,6 +339,7 @@ def overheads_line(prof: Profile) -> str:
     """The calibrated terms in one line (milliseconds)."""
     return (f"{prof.overhead_step_s * 1e3:.2f} ms/step + {prof.overhead_row_s * 1e3:.3f} ms/row; per request "
             f"{prof.request_s * 1e3:.1f} ms in + {prof.response_s * 1e3:.1f} ms out; router {prof.router_hop_s * 1e3:.1f} "
-            f"ms/request + {prof.router_step_s * 1e3:.2f} ms/step + {prof.router_token_s * 1e3:.2f} ms/token; "
+            f"ms/request + {prof.router_step_s * 1e3:.2f} ms/step + {prof.router_token_s * 1e3:.2f} ms/token, prompt "
+            f"chunks x{1 + prof.peer_chunk_ratio:.3f} beside another worker; "
             f"split handoff +{prof.handoff_s * 1e3:.1f} ms; "
             f"interference {prof.interference_step_s * 1e3:.2f} ms per streaming step/s of other workers")

@@ -129,6 +129,79 @@ def fit_router_excess(attributed: pd.DataFrame, step_s: float, row_s: float) -> 
     return RouterFit(float(x[0]), float(x[1]), len(dec), int(tokens.sum()), float(np.median(np.abs(a @ x - excess))))
 
 
+def _covered_before(m: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """The length of the union of disjoint sorted intervals m (K, 2) that lies before each time in t."""
+    length = m[:, 1] - m[:, 0]
+    before = np.concatenate([[0.0], np.cumsum(length)])  # before[k]: the length of intervals 0 .. k-1
+    k = np.searchsorted(m[:, 0], t, side="right")  # intervals starting at or before t
+    last = np.maximum(k - 1, 0)  # the last of them, counted up to t
+    return np.where(k > 0, before[last] + np.clip(t - m[last, 0], 0.0, length[last]), 0.0)
+
+
+def peer_busy(df: pd.DataFrame) -> np.ndarray:
+    """Per traced step, the fraction of its engine time (step_start .. step_end) during which another trace
+    (another worker of the fleet; the traces share the monotonic clock) was in a loop iteration (loop_start ..
+    posted: its step and the work around it, all of it on the shared cores; the simulator's step holds the
+    engine as long)."""
+    out = np.zeros(len(df))
+    starts, ends = df["step_start"].to_numpy(float), df["step_end"].to_numpy(float)
+    loops, posted = df["loop_start"].to_numpy(float), df["posted"].to_numpy(float)
+    traces = df["trace"].to_numpy()
+    for name in np.unique(traces):
+        mine = traces == name
+        # The union of the other traces' iterations as disjoint intervals [lo_k, hi_k).
+        order = np.argsort(loops[~mine])
+        lo, hi = loops[~mine][order], posted[~mine][order]
+        merged: list[list[float]] = []
+        for a, b in zip(lo, hi):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        if not merged:
+            continue
+        m = np.array(merged)  # (K, 2), disjoint and sorted
+        s, e = starts[mine], ends[mine]
+        out[mine] = (_covered_before(m, e) - _covered_before(m, s)) / np.maximum(e - s, 1e-12)
+    return np.clip(out, 0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class PeerChunkFit:
+    ratio: float  # a prompt-chunk step's cost beyond its price and the charged terms, per unit of price, peer busy
+    steps: int  # chunk steps fitted (0: none beside another worker's, nothing charged)
+    busy: float  # their mean fraction of time beside another worker's step
+
+    def line(self) -> str:
+        if not self.steps:
+            return "no traced prompt-chunk step beside another worker's: none charged"
+        return (f"prompt-chunk steps {1 + self.ratio:.3f}x their price beside another worker's step, from {self.steps} "
+                f"served chunk steps ({self.busy:.0%} of their time beside one)")
+
+
+def fit_peer_chunks(attributed: pd.DataFrame, step_s: float, row_s: float, router_step_s: float,
+                    router_token_s: float) -> PeerChunkFit:
+    """A cluster's traced steps that compute prompt tokens: their time beyond the price and every term the
+    simulator already charges them (the single server's per-step and per-row overhead, the router's per-step
+    and per-token cost), against price x the fraction of the step another worker spent stepping beside it
+    (`peer_busy`): a least-squares ratio through the origin, non-negative (the simulator's
+    peer_chunk_ratio). The profile times a chunk with the other cores idle; beside another worker's steps
+    it ran 7-14% over its price on the 2-core Xeon, in the calibration runs and the judged ones alike (plan
+    validation runs 24-26), and 2-4% under it at concurrency 1 (one worker at a time). Unpriced, the
+    cluster's capacity came out 4-6% high, and its latency near saturation 15-30% short (docs/benchmarks.md,
+    "Run 26")."""
+    busy = peer_busy(attributed)
+    chunk = ~attributed["decode_only"].to_numpy(bool)
+    if not (busy[chunk] > 0).any():  # nothing measured beside another worker (one worker's trace): no charge
+        return PeerChunkFit(0.0, 0, 0.0)
+    df = attributed[chunk]
+    excess = (df["overhead"].to_numpy(float) - step_s - row_s * df["num_rows"].to_numpy(float) - router_step_s
+              - router_token_s * df["streamed"].to_numpy(float))
+    x = df["predicted"].to_numpy(float) * busy[chunk]
+    ratio = max(0.0, float(x @ excess / (x @ x)))
+    return PeerChunkFit(ratio, len(df), float(busy[chunk].mean()))
+
+
 def refit_cost(profile: Profile, df: pd.DataFrame) -> tuple[Profile, str]:
     """The profile's linear step cost fitted again to its own timed steps and the trace's served ones
     together (each served step: its rows and `engine` time). A separate profiling process prices the steps

@@ -13,9 +13,10 @@ from tokenloom.errors import ConfigError
 from tokenloom.plan.cost_model import LinearStepCost, StepCost
 
 MEASURED = "measured"
-# The serving-time terms `plan calibrate` fits (seconds), beside the engine step's cost.
+# The serving-time terms `plan calibrate` fits (seconds, but peer_chunk_ratio: a fraction), beside the engine
+# step's cost.
 OVERHEADS = ("overhead_step_s", "overhead_row_s", "request_s", "response_s", "router_hop_s", "router_step_s",
-             "router_token_s", "handoff_s", "interference_step_s")
+             "router_token_s", "peer_chunk_ratio", "handoff_s", "interference_step_s")
 # Engine time per KV block that a split fleet's handoff holds each engine for (seconds; measured by `plan
 # profile`, 0 in older and analytic profiles): the prefill worker's export of a finished prompt's blocks
 # (disagg/blocks.py export_prefix, run on its engine thread before its next step) and the decode
@@ -55,6 +56,11 @@ class Profile:
     router_hop_s: float = 0.0
     router_step_s: float = 0.0
     router_token_s: float = 0.0
+    # A colocated worker's step that computes prompt tokens costs (1 + peer_chunk_ratio) x its price while
+    # another worker of the fleet is stepping: the profile timed it with the other cores idle. On the 2-core
+    # Xeon a 2-worker cluster's prompt-chunk steps cost 1.07-1.14x their price in loaded runs and 0.96-0.98x
+    # at concurrency 1, where one worker steps at a time (plan/host.py fit_peer_chunks).
+    peer_chunk_ratio: float = 0.0
     # Split fleets: the prefill -> decode handoff beyond bytes / link bandwidth (the prefill HTTP round
     # trip, KV export and import, the ZeroMQ send, the decode request's set-up).
     handoff_s: float = 0.0

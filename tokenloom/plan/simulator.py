@@ -27,7 +27,9 @@ behind a router), and its response ends `response_s` after its last token. A spl
 bytes / link bandwidth + link latency + the profile's `handoff_s`. Behind a router, every streamed
 token costs `router_token_s` and every step of a colocated worker `router_step_s`: the CPU that the router
 and the other workers take from the cores they all share on the measured machine, so it lengthens the
-step that produced the token. And each step per second that the other workers stream tokens in slows a
+step that produced the token. A colocated worker's step with prompt tokens costs `peer_chunk_ratio` more of
+its price while another worker has a step in flight (the profile timed it with the other cores idle). And
+each step per second that the other workers stream tokens in slows a
 step that computes prompt tokens by the profile's `interference_step_s` seconds per second (the fleet's
 workers share the host the profile was calibrated on): a split fleet's prefill runs slower while its
 decode worker streams. Per streaming step, not per token: every step wakes the router, the client and
@@ -156,15 +158,18 @@ class SimWorker:
         routed = fleet.behind_router and role != "prefill"
         self.router_step_s = profile.router_step_s if routed and role == "worker" else 0.0
         self.token_s = profile.router_token_s if routed else 0.0
+        # A colocated worker's prompt chunks beside another worker's step: the profile timed them alone.
+        self.chunk_ratio = profile.peer_chunk_ratio if role == "worker" and fleet.workers > 1 else 0.0
         self.stream_rate = 0.0  # 1 / its step's duration while a step that streams tokens is in flight, else 0
         # A split fleet's KV handoff copies on the engine thread between steps (the profile's per-block
         # export / import times): held until then, no step starts; imports that arrive during a step wait.
         self.held = False
         self.imports: list[tuple[SimRecord, Sequence]] = []
 
-    def start_step(self, others_rate: float = 0.0) -> float | None:
+    def start_step(self, others_rate: float = 0.0, peer_stepping: bool = False) -> float | None:
         """Schedule a step; its duration, or None when there is nothing to run. `others_rate`: the streaming
-        steps per second of the fleet's other workers at this moment (their steps in flight)."""
+        steps per second of the fleet's other workers at this moment (their steps in flight);
+        `peer_stepping`: whether another worker has a step in flight now."""
         if not self.scheduler.has_unfinished():
             return None
         batch = self.scheduler.schedule()
@@ -181,6 +186,8 @@ class SimWorker:
         streamed = sum(1 for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens)
         dt = self.profile.step_time(rows) + self.router_step_s + self.token_s * streamed
         if any(n > 1 for n in batch.num_new_tokens):
+            if peer_stepping:  # the engine's part only, as plan/host.py fit_peer_chunks measures it
+                dt += self.chunk_ratio * self.profile.cost.step_time(rows)
             # Interference slows prompt computation (measured: a split fleet's TTFT grows with the decode
             # worker's streams); decode-only steps showed none (a 2-worker cluster's TPOT at concurrency 8).
             dt *= 1.0 + self.profile.interference_step_s * others_rate
@@ -299,7 +306,8 @@ class Simulation:
         # Only a split fleet's prefill workers: see the module docstring.
         slowed = self.profile.interference_step_s and worker.role == "prefill"
         others = sum(w.stream_rate for w in self.workers if w is not worker) if slowed else 0.0
-        dt = worker.start_step(others)
+        stepping = worker.chunk_ratio > 0 and any(w.batch is not None for w in self.workers if w is not worker)
+        dt = worker.start_step(others, stepping)
         if dt is not None:
             self._push(now + dt, _STEP_DONE, worker)
 
