@@ -30,7 +30,8 @@ knee is low (`--rate-fractions 0.125,0.25,0.5,1,2` brings it back). Keep the mac
       medians instead) and per request (light TTFT less the simulated one); the
       router hop (light) and per-step and per-token router cost from the 2-worker cluster (its workers' step
       traces over its loaded, open-loop and burst calibration runs, `cluster --step-trace-dir`: their
-      decode steps' time beyond the single server's overhead, a line in the tokens each streamed;
+      decode steps' time beyond the single server's overhead, a line in the tokens each streamed; and
+      from the same traces peer_chunk_ratio, their prompt-chunk steps' cost beside the other worker's;
       --no-step-trace: the per-token cost from its loaded TPOT gap); the prefill -> decode
       handoff (light) and the interference of streams with prefills (loaded) from the split cluster, the
       router terms refitted with it (see tokenloom/plan/calibrate.py). The split set-up uses the router
