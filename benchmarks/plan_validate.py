@@ -177,8 +177,10 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
     port = free_port()
     trace = a.out / f"step-trace-{name}.csv"
     # The single server's trace fits the per-step and per-row overhead, the 2-worker cluster's workers' the
-    # router's per-step and per-token cost (tokenloom/plan/calibrate.py).
-    traced = name in ("single", "cluster-2") and not a.no_step_trace
+    # router's per-step and per-token cost and the prompt-chunk ratio (tokenloom/plan/calibrate.py). The
+    # split fleet's workers (worker-0 decode, worker-1 prefill) are traced for the record: nothing is fitted
+    # from them yet (its prefill worker's slowdown is interference_step_s, fitted from its TTFT).
+    traced = name in ("single", "cluster-2", "split-1P1D") and not a.no_step_trace
     trace_dir = a.out / f"step-traces-{name}"
     trace_flags = []
     if traced and name == "single":
@@ -217,12 +219,14 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
                 snapshot.write_bytes(trace.read_bytes())
                 calibrated["trace"] = [snapshot]
             elif traced:
-                calibrated["cluster-trace"] = []
+                snapshots = []
                 for worker in sorted(trace_dir.glob("worker-*.csv")):
                     snapshot = a.out / f"step-trace-calibration-{name}-{worker.stem}.csv"
                     header, *steps = worker.read_text().splitlines(keepends=True)
                     snapshot.write_text(header + "".join(steps[max(0, skip.get(worker, 1) - 1):]))
-                    calibrated["cluster-trace"].append(snapshot)
+                    snapshots.append(snapshot)
+                if name == "cluster-2":
+                    calibrated["cluster-trace"] = snapshots
             print(f"== calibrating with {', '.join(calibrated)}", flush=True)
             prof = calibrated_profile(bare, calibrated, a)
         rates = [round(r, 2) for r in (a.rates or predicted_rates(prof, fleet, a))]
