@@ -263,8 +263,8 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     used: list[dict[str, Any]] = []
     for _ in range(rounds):
         cur = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
-                      router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, peer_chunk_ratio=0.0, decode_step_s=0.0, decode_token_s=0.0,
-                      handoff_s=0.0, interference_step_s=0.0)
+                      router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, peer_chunk_ratio=0.0,
+                      decode_step_s=0.0, decode_token_s=0.0, handoff_s=0.0, interference_step_s=0.0)
         xs, ys, used, gaps = [], [], [], []
         for (point, _), reqs in zip(points, requests):
             s = fleet_summary(simulate(cur, fleet, reqs, seed))
@@ -285,8 +285,8 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
             a, b = (float(v) for v in nnls(np.array(xs), np.array(ys)))
         req = max(0.0, float(np.mean(gaps))) if gaps else 0.0
     out = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
-                  router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, peer_chunk_ratio=0.0, decode_step_s=0.0, decode_token_s=0.0, handoff_s=0.0,
-                  interference_step_s=0.0)
+                  router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, peer_chunk_ratio=0.0,
+                  decode_step_s=0.0, decode_token_s=0.0, handoff_s=0.0, interference_step_s=0.0)
     log(f"single server: {a * 1e3:.2f} ms/step + {b * 1e3:.3f} ms/row; request {req * 1e3:.1f} ms, "
         f"response {response * 1e3:.1f} ms, from {len(used)} points")
     if split is not None and split[1].prefill_workers < 1:

@@ -31,8 +31,8 @@ step that produced the token. A split fleet's decode worker pays `decode_step_s`
 `decode_token_s` per token more (its prefill worker's prompts on the same cores). A colocated worker's step
 with prompt tokens costs `peer_chunk_ratio` more of its price while another worker has a step in flight (the
 profile timed it with the other cores idle). And each step per second that the other workers stream tokens
-in slows a step that computes prompt tokens by the profile's `interference_step_s` seconds per second (the fleet's
-workers share the host the profile was calibrated on): a split fleet's prefill runs slower while its
+in slows a step that computes prompt tokens by the profile's `interference_step_s` seconds per second (the
+fleet's workers share the host the profile was calibrated on): a split fleet's prefill runs slower while its
 decode worker streams. Per streaming step, not per token: every step wakes the router, the client and
 the HTTP loops once, whatever its rows (on the
 2-core CPU this fitted the split fleet's TTFT better than a per-token charge, 1 and 2 req/s). Only a
