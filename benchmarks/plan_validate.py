@@ -33,9 +33,7 @@ knee is low (`--rate-fractions 0.125,0.25,0.5,1,2` brings it back). Keep the mac
       decode steps' time beyond the single server's overhead, a line in the tokens each streamed; and
       from the same traces peer_chunk_ratio, their prompt-chunk steps' cost beside the other worker's;
       --no-step-trace: the per-token cost from its loaded TPOT gap); the prefill -> decode
-      handoff (light) and the interference of streams with prefills (loaded) from the split cluster (and,
-      since run 29, its decode worker's per-step and per-token cost from its step trace over its loaded and
-      burst runs: BURST), the
+      handoff (light) and the interference of streams with prefills (loaded) from the split cluster, the
       router terms refitted with it (see tokenloom/plan/calibrate.py). The split set-up uses the router
       terms only if cluster-2 ran before it. The fit is printed.
    b. the judged runs: --repeats sweeps of `bench serve` at Poisson rates, by default 1/4, 1/2, 1 and 2 x
@@ -118,12 +116,7 @@ OPEN = ("single", "cluster-2")
 # steps themselves, 0.9-1.6 ms per step + 0.3 ms per token, left every row bucket within 1.5 ms). Run 24's
 # 32 requests at 1.5 x made few such steps (the fit moved little: 1.02 ms per step + 0.047 per token);
 # three times as many build the queue up. Not one of the judged rates (1/4 .. 2 x).
-# The split fleet likewise (since run 29): its decode worker's many-row steps beside the prefill worker's
-# prompts (run 28's traces: 17-64 rows ~30% over their price) fit its own per-step and per-token cost.
-BURST = {"cluster-2": (1.5, 96), "split-1P1D": (1.5, 96)}
-# Burst runs whose only use is the step trace: the split fleet's handoff and interference stay fitted on its
-# light and concurrency-4 points' TTFT (a burst's TTFT is mostly the prefill worker's queue).
-TRACE_ONLY = {"split-1P1D"}
+BURST = {"cluster-2": (1.5, 96)}
 # The cluster's router costs show only when both workers stream at once: concurrency 8, and 32 for many
 # rows per worker (in runs 21-22, calibrated without it, its workers' judged steps of 8-64 rows cost 3.6-7.5
 # ms more than their price, against 0.9-2.4 ms in the calibration's steps of up to 8 rows).
@@ -184,9 +177,9 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
     port = free_port()
     trace = a.out / f"step-trace-{name}.csv"
     # The single server's trace fits the per-step and per-row overhead, the 2-worker cluster's workers' the
-    # router's per-step and per-token cost and the prompt-chunk ratio, the split fleet's decode worker's
-    # (worker-0; worker-1, its prefill worker, is kept for the record) its own per-step and per-token cost
-    # (tokenloom/plan/calibrate.py).
+    # router's per-step and per-token cost and the prompt-chunk ratio (tokenloom/plan/calibrate.py). The
+    # split fleet's workers (worker-0 decode, worker-1 prefill) are traced for the record: nothing is fitted
+    # from them yet (its prefill worker's slowdown is interference_step_s, fitted from its TTFT).
     traced = name in ("single", "cluster-2", "split-1P1D") and not a.no_step_trace
     trace_dir = a.out / f"step-traces-{name}"
     trace_flags = []
@@ -217,10 +210,9 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
             if name in BURST:
                 factor, requests = BURST[name]
                 rate = round(factor * knee_rate, 2)
-                burst = bench(port, a.out / f"calibration-{name}-burst",
-                              ["--request-rate", f"{rate:g}", "--num-prompts", str(requests)], a, a.seed + 4000)
-                if name not in TRACE_ONLY:
-                    calibrated[name].append(burst)
+                calibrated[name].append(bench(port, a.out / f"calibration-{name}-burst",
+                                              ["--request-rate", f"{rate:g}", "--num-prompts", str(requests)], a,
+                                              a.seed + 4000))
             # The calibration runs' steps only (the engine flushes its trace when it goes idle).
             if traced and name == "single":
                 snapshot = a.out / "step-trace-calibration.csv"
@@ -235,8 +227,6 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
                     snapshots.append(snapshot)
                 if name == "cluster-2":
                     calibrated["cluster-trace"] = snapshots
-                else:  # the split fleet's decode worker
-                    calibrated["split-trace"] = [f for f in snapshots if f.name.endswith("-worker-0.csv")]
             print(f"== calibrating with {', '.join(calibrated)}", flush=True)
             prof = calibrated_profile(bare, calibrated, a)
         rates = [round(r, 2) for r in (a.rates or predicted_rates(prof, fleet, a))]
@@ -265,7 +255,6 @@ def calibrated_profile(bare: Profile, calibrated: dict[str, list[Path]], a: argp
     split = (calibrated["split-1P1D"], SETUPS["split-1P1D"][1]) if "split-1P1D" in calibrated else None
     prof = calibrate(bare, calibrated["single"], SETUPS["single"][1], a.seed, cluster=cluster, split=split,
                      step_traces=calibrated.get("trace"), cluster_step_traces=calibrated.get("cluster-trace"),
-                     split_step_traces=calibrated.get("split-trace") if split is not None else None,
                      log=lambda m: print(m, flush=True))
     prof.save(a.out / "profile-calibrated.json")
     print(f"calibrated: {overheads_line(prof)}", flush=True)
@@ -275,9 +264,10 @@ def calibrated_profile(bare: Profile, calibrated: dict[str, list[Path]], a: argp
 def rejudge(src: Path, bare: Profile, a: argparse.Namespace) -> tuple[Profile, list[tuple[str, list[Path]]]]:
     """An earlier run's measurements in `src`: `bare` calibrated on all its calibration runs, and each
     set-up's judged sweeps (the bench folders {name}-r{i})."""
+    # A burst is calibrated on only where BURST says so (run 29 also ran one for the split fleet's trace).
     calibrated = {name: [f for f in (src / f"calibration-{name}", src / f"calibration-{name}-loaded",
                                      src / f"calibration-{name}-open",
-                                     *([] if name in TRACE_ONLY else [src / f"calibration-{name}-burst"]))
+                                     *([src / f"calibration-{name}-burst"] if name in BURST else []))
                          if f.is_dir()]
                   for name in a.setups}
     measured = [(name, sorted((d for d in src.glob(f"{name}-r*") if d.is_dir()),
@@ -290,9 +280,6 @@ def rejudge(src: Path, bare: Profile, a: argparse.Namespace) -> tuple[Profile, l
     workers = sorted(src.glob("step-trace-calibration-cluster-2-worker-*.csv"))
     if workers and "cluster-2" in calibrated and not a.no_step_trace:
         calibrated["cluster-trace"] = workers
-    decode = src / "step-trace-calibration-split-1P1D-worker-0.csv"
-    if decode.exists() and "split-1P1D" in calibrated and not a.no_step_trace:
-        calibrated["split-trace"] = [decode]
     return (bare if a.no_calibrate else calibrated_profile(bare, calibrated, a)), measured
 
 

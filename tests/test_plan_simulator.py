@@ -320,50 +320,6 @@ def test_a_colocated_workers_prompt_chunks_beside_another_workers_step_cost_the_
                  reqs).records[1].first_token)
 
 
-def test_a_split_fleets_decode_worker_pays_its_own_terms(tmp_path: Path) -> None:
-    from tokenloom.plan.calibrate import calibrate
-
-    # Steps of 5 ms; the decode worker's steps cost 1 ms more and 0.5 ms per streamed token more: a request
-    # decoded alone there streams a token every 6.5 ms. Neither the prefill worker nor a colocated worker
-    # pays them.
-    p = replace(profile((0.005,)), decode_step_s=0.001, decode_token_s=0.0005)
-    split = FleetConfig(workers=1, prefill_workers=1, router=False)
-    (rec,) = simulate(p, split, [SimRequest(0.0, tuple(range(1, 9)), 6)]).records
-    gaps = [b - a for a, b in zip(rec.token_times[1:], rec.token_times[2:])]
-    assert gaps == pytest.approx([0.0065] * 4)
-    (base,) = simulate(replace(p, decode_step_s=0.0, decode_token_s=0.0), split,
-                       [SimRequest(0.0, tuple(range(1, 9)), 6)]).records
-    assert [b - a for a, b in zip(base.token_times[1:], base.token_times[2:])] == pytest.approx([0.005] * 4)
-    assert base.first_token < rec.first_token  # the decode worker's first step (the recomputed block) pays too
-    (one,) = simulate(p, FleetConfig(workers=2, router=False), [SimRequest(0.0, tuple(range(1, 9)), 3)]).records
-    assert one.token_times == pytest.approx([0.005, 0.010, 0.015])
-
-    # Fitted from its trace: 0.8 ms per step + 0.4 ms per token beyond the single server's 0.9 ms + 0.2 ms
-    # per row and the router's 0.1 ms per token.
-    bare = profile((0.002, 1e-5, 2e-4))
-    real = replace(bare, overhead_step_s=9e-4, overhead_row_s=2e-4, request_s=0.05, router_hop_s=0.03,
-                   router_token_s=1e-4, handoff_s=0.04)
-    rows_of = [[(1, 100)] * n for n in (1, 2, 3, 4, 6, 8) * 4]
-    single_trace = _trace(tmp_path / "single.csv", bare, rows_of, lambda rows, _: 9e-4 + 2e-4 * rows)
-    decode_trace = _trace(tmp_path / "decode.csv", bare, rows_of,
-                          lambda rows, streamed: 9e-4 + 2e-4 * rows + 1e-4 * streamed + 8e-4 + 4e-4 * streamed)
-    split_fleet = FleetConfig(workers=1, prefill_workers=1)
-    single = sim_bench_folder(tmp_path / "single", replace(real, handoff_s=0.0), FleetConfig(), [(0.2, None)])
-    cluster = sim_bench_folder(tmp_path / "cluster", real, FleetConfig(workers=2), [(0.2, None), (30.0, 8)])
-    split_runs = sim_bench_folder(tmp_path / "split", replace(real, decode_step_s=8e-4, decode_token_s=4e-4),
-                                  split_fleet, [(0.2, None)])
-    got = calibrate(bare, [single], FleetConfig(), cluster=([cluster], FleetConfig(workers=2)),
-                    split=([split_runs], split_fleet), step_traces=[single_trace], split_step_traces=[decode_trace])
-    assert got.router_token_s == pytest.approx(1e-4, rel=0.1)  # from the cluster's loaded point
-    # The decode terms come off what router_token_s already charges: the fitted 0.4 ms per token is the rest
-    # up to the accuracy of router_token_s (10% of 0.1 ms).
-    assert got.decode_step_s == pytest.approx(8e-4, abs=2e-5) and got.decode_token_s == pytest.approx(4e-4, abs=2e-5)
-    assert got.calibration["split_step_trace_fit"].startswith("0.8")
-    assert got.handoff_s == pytest.approx(0.04, rel=0.1)  # fitted with the decode terms in place
-    with pytest.raises(ConfigError, match="split fleet's step traces"):
-        calibrate(bare, [single], FleetConfig(), step_traces=[single_trace], split_step_traces=[decode_trace])
-
-
 def test_router_token_cost_comes_from_a_loaded_cluster_point(tmp_path: Path) -> None:
     from tokenloom.plan.calibrate import calibrate
 

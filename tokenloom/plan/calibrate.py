@@ -29,9 +29,7 @@ each a least-squares fit of a constant or a line to a few measured `bench serve`
    mean gap (`_per_token_fit`); without loaded points, from the light ones (about one streamed row per
    step, so the gap is the per-token cost). Then router_hop_s = measured - simulated median TTFT at the
    light points.
-3. A split fleet (optional): with its decode worker's step trace, decode_step_s and decode_token_s (its
-   decode steps' time beyond the single server's terms and router_token_s, a line in the tokens streamed:
-   host.fit_router_excess); handoff_s = measured - simulated median TTFT at its light points; and from
+3. A split fleet (optional): handoff_s = measured - simulated median TTFT at its light points; and from
    its loaded points (e.g. concurrency 4), interference_step_s: how much the decode worker's streaming
    steps slow the prefill worker's steps on the shared host (the same search on the median TTFT gap).
    It slows only a split fleet's prefill worker (plan/simulator.py), so the router terms are fitted once,
@@ -228,7 +226,6 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
               cluster: tuple[list[Path], FleetConfig] | None = None,
               split: tuple[list[Path], FleetConfig] | None = None,
               step_traces: list[Path] | None = None, cluster_step_traces: list[Path] | None = None,
-              split_step_traces: list[Path] | None = None,
               log: Callable[[str], None] = lambda m: None) -> Profile:
     """Fit the module docstring's terms: `folders` of the single server (`fleet`), then optionally the
     router terms from `cluster`'s measured folders, and the handoff (light points) and the interference
@@ -237,9 +234,7 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     with the served steps, and the per-step and per-row overhead come from the traced steps themselves
     (plan/host.py) instead of the TPOT regression. With `cluster_step_traces` (the cluster's workers'
     traces over its calibration runs) router_step_s and router_token_s are their decode steps' cost beyond
-    the single server's per-step and per-row terms (host.fit_router_excess), not the loaded TPOT gap. With
-    `split_step_traces` (the split fleet's decode worker's trace over its calibration runs) decode_step_s
-    and decode_token_s are its decode steps' cost beyond those terms and router_token_s, likewise."""
+    the single server's per-step and per-row terms (host.fit_router_excess), not the loaded TPOT gap."""
     points = [pt for folder in folders for pt in bench_points(folder) if pt[0].get("tpot_s_median") is not None]
     need = 1 if step_traces else 2
     if len(points) < need:
@@ -264,7 +259,7 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     for _ in range(rounds):
         cur = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
                       router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, peer_chunk_ratio=0.0,
-                      decode_step_s=0.0, decode_token_s=0.0, handoff_s=0.0, interference_step_s=0.0)
+                      handoff_s=0.0, interference_step_s=0.0)
         xs, ys, used, gaps = [], [], [], []
         for (point, _), reqs in zip(points, requests):
             s = fleet_summary(simulate(cur, fleet, reqs, seed))
@@ -286,7 +281,7 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
         req = max(0.0, float(np.mean(gaps))) if gaps else 0.0
     out = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
                   router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, peer_chunk_ratio=0.0,
-                  decode_step_s=0.0, decode_token_s=0.0, handoff_s=0.0, interference_step_s=0.0)
+                  handoff_s=0.0, interference_step_s=0.0)
     log(f"single server: {a * 1e3:.2f} ms/step + {b * 1e3:.3f} ms/row; request {req * 1e3:.1f} ms, "
         f"response {response * 1e3:.1f} ms, from {len(used)} points")
     if split is not None and split[1].prefill_workers < 1:
@@ -319,17 +314,6 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
         hop, r2 = _residual_fit("router_hop_s", out, c_fleet, c_light, "ttft_s_median", seed, log)
         out = replace(out, router_hop_s=hop)
         fits += r1 + r2
-    decode_fit = None
-    if split_step_traces:
-        if s_pts is None:
-            raise ConfigError("the split fleet's step traces need its calibration runs (split=) too")
-        from tokenloom.plan.host import attribute, fit_router_excess, load_trace
-
-        d_trace = attribute(profile, load_trace(split_step_traces))
-        d_trace["overhead"] -= out.router_token_s * d_trace["streamed"]  # what it pays already, per token
-        decode_fit = fit_router_excess(d_trace, a, b)
-        log(f"split decode worker's step trace: {decode_fit.line()}")
-        out = replace(out, decode_step_s=decode_fit.step_s, decode_token_s=decode_fit.token_s)
     if s_pts is not None:
         s_fleet, s_light, s_loaded = s_pts
         handoff, r3 = _residual_fit("handoff_s", out, s_fleet, s_light, "ttft_s_median", seed, log)
@@ -348,8 +332,6 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
                                      "cluster_step_traces": [str(f) for f in cluster_step_traces or []],
                                      "cluster_step_trace_fit": None if router_fit is None else router_fit.line(),
                                      "cluster_chunk_fit": None if chunk_fit is None else chunk_fit.line(),
-                                     "split_step_traces": [str(f) for f in split_step_traces or []],
-                                     "split_step_trace_fit": None if decode_fit is None else decode_fit.line(),
                                      "split_folders": [str(f) for f in split[0]] if split else []})
 
 
@@ -358,7 +340,6 @@ def overheads_line(prof: Profile) -> str:
     return (f"{prof.overhead_step_s * 1e3:.2f} ms/step + {prof.overhead_row_s * 1e3:.3f} ms/row; per request "
             f"{prof.request_s * 1e3:.1f} ms in + {prof.response_s * 1e3:.1f} ms out; router {prof.router_hop_s * 1e3:.1f} "
             f"ms/request + {prof.router_step_s * 1e3:.2f} ms/step + {prof.router_token_s * 1e3:.2f} ms/token, prompt "
-            f"chunks x{1 + prof.peer_chunk_ratio:.3f} beside another worker; split decode worker "
-            f"+{prof.decode_step_s * 1e3:.2f} ms/step + {prof.decode_token_s * 1e3:.2f} ms/token; "
+            f"chunks x{1 + prof.peer_chunk_ratio:.3f} beside another worker; "
             f"split handoff +{prof.handoff_s * 1e3:.1f} ms; "
             f"interference {prof.interference_step_s * 1e3:.2f} ms per streaming step/s of other workers")

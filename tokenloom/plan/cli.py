@@ -104,10 +104,6 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                          "fits the router's per-step and per-token cost from their steps instead of the per-token "
                          "cost from the loaded TPOT (leave out steps of a concurrency-1 run: one worker steps at "
                          "a time there)")
-    ca.add_argument("--split-step-trace", type=Path, nargs="+", default=None,
-                    help="the split fleet's decode worker's step trace over the --split-bench runs (`cluster "
-                         "--step-trace-dir`, worker-0): fits its per-step and per-token cost beside its prefill "
-                         "worker (leave out a concurrency-1 run's steps)")
     ca.add_argument("--seed", type=int, default=0)
     ca.add_argument("--out", type=Path, required=True, help="the calibrated profile")
     ca.set_defaults(func=_calibrate)
@@ -209,8 +205,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     split = (args.split_bench, FleetConfig(workers=1, prefill_workers=1)) if args.split_bench else None
     prof = calibrate(Profile.load(args.profile), args.bench, FleetConfig(workers=args.workers), args.seed,
                      cluster=cluster, split=split, step_traces=args.step_trace,
-                     cluster_step_traces=args.cluster_step_trace, split_step_traces=args.split_step_trace,
-                     log=print)
+                     cluster_step_traces=args.cluster_step_trace, log=print)
     prof.save(args.out)
     print(f"serving overhead: {overheads_line(prof)}, from {len(prof.calibration['points'])} measured points "
           f"-> {args.out}")

@@ -16,8 +16,7 @@ MEASURED = "measured"
 # The serving-time terms `plan calibrate` fits (seconds, but peer_chunk_ratio: a fraction), beside the engine
 # step's cost.
 OVERHEADS = ("overhead_step_s", "overhead_row_s", "request_s", "response_s", "router_hop_s", "router_step_s",
-             "router_token_s", "peer_chunk_ratio", "decode_step_s", "decode_token_s", "handoff_s",
-             "interference_step_s")
+             "router_token_s", "peer_chunk_ratio", "handoff_s", "interference_step_s")
 # Engine time per KV block that a split fleet's handoff holds each engine for (seconds; measured by `plan
 # profile`, 0 in older and analytic profiles): the prefill worker's export of a finished prompt's blocks
 # (disagg/blocks.py export_prefix, run on its engine thread before its next step) and the decode
@@ -62,12 +61,6 @@ class Profile:
     # Xeon a 2-worker cluster's prompt-chunk steps cost 1.07-1.14x their price in loaded runs and 0.96-0.98x
     # at concurrency 1, where one worker steps at a time (plan/host.py fit_peer_chunks).
     peer_chunk_ratio: float = 0.0
-    # A split fleet's decode worker: per step and per streamed token beyond the single server's overhead and
-    # router_token_s (its prefill worker's prompts on the shared cores; plan/host.py fit_router_excess over
-    # its own traced steps). On the 2-core Xeon its steps of 17-64 rows cost ~30% more than their price
-    # beside the prefill worker's prompt steps and their price alone (plan validation run 28).
-    decode_step_s: float = 0.0
-    decode_token_s: float = 0.0
     # Split fleets: the prefill -> decode handoff beyond bytes / link bandwidth (the prefill HTTP round
     # trip, KV export and import, the ZeroMQ send, the decode request's set-up).
     handoff_s: float = 0.0

@@ -27,12 +27,11 @@ behind a router), and its response ends `response_s` after its last token. A spl
 bytes / link bandwidth + link latency + the profile's `handoff_s`. Behind a router, every streamed
 token costs `router_token_s` and every step of a colocated worker `router_step_s`: the CPU that the router
 and the other workers take from the cores they all share on the measured machine, so it lengthens the
-step that produced the token. A split fleet's decode worker pays `decode_step_s` per step and
-`decode_token_s` per token more (its prefill worker's prompts on the same cores). A colocated worker's step
-with prompt tokens costs `peer_chunk_ratio` more of its price while another worker has a step in flight (the
-profile timed it with the other cores idle). And each step per second that the other workers stream tokens
-in slows a step that computes prompt tokens by the profile's `interference_step_s` seconds per second (the
-fleet's workers share the host the profile was calibrated on): a split fleet's prefill runs slower while its
+step that produced the token. A colocated worker's step with prompt tokens costs `peer_chunk_ratio` more of
+its price while another worker has a step in flight (the profile timed it with the other cores idle). And
+each step per second that the other workers stream tokens in slows a step that computes prompt tokens by
+the profile's `interference_step_s` seconds per second (the fleet's workers share the host the profile was
+calibrated on): a split fleet's prefill runs slower while its
 decode worker streams. Per streaming step, not per token: every step wakes the router, the client and
 the HTTP loops once, whatever its rows (on the
 2-core CPU this fitted the split fleet's TTFT better than a per-token charge, 1 and 2 req/s). Only a
@@ -159,9 +158,6 @@ class SimWorker:
         routed = fleet.behind_router and role != "prefill"
         self.router_step_s = profile.router_step_s if routed and role == "worker" else 0.0
         self.token_s = profile.router_token_s if routed else 0.0
-        if role == "decode":  # its own fitted excess, beside its prefill worker (0 in a profile without it)
-            self.router_step_s += profile.decode_step_s
-            self.token_s += profile.decode_token_s
         # A colocated worker's prompt chunks beside another worker's step: the profile timed them alone.
         self.chunk_ratio = profile.peer_chunk_ratio if role == "worker" and fleet.workers > 1 else 0.0
         self.stream_rate = 0.0  # 1 / its step's duration while a step that streams tokens is in flight, else 0
