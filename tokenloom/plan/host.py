@@ -114,9 +114,9 @@ def fit_router_excess(attributed: pd.DataFrame, step_s: float, row_s: float) -> 
     plan validation run 20: +2.03 ms per step and no slope, which a per-token term alone left uncharged, the
     cluster simulated 6-52% short: docs/benchmarks.md, "Run 20" and "Runs 21-23"). Non-negative: in run 17
     the workers' 1-row steps ran 0.6 ms faster than the single server's a few minutes earlier, which is the
-    machine's drift, not a saving a router brings. From the workers' own traces, thousands of steps, not the gap between two
-    TPOT medians (on the 2-core Xeon a concurrency-8 point's TPOT gap fitted 0.15 ms in one run and 0.01
-    in the next)."""
+    machine's drift, not a saving a router brings. From the workers' own traces, thousands of steps, not
+    the gap between two TPOT medians (on the 2-core Xeon a concurrency-8 point's TPOT gap fitted 0.15 ms in
+    one run and 0.01 in the next)."""
     dec = attributed[attributed["decode_only"] & (attributed["streamed"] > 0)]
     tokens = dec["streamed"].to_numpy(float)
     if len(dec) < 3 or np.ptp(tokens) == 0:

@@ -31,10 +31,9 @@ step that produced the token. A colocated worker's step with prompt tokens costs
 its price while another worker has a step in flight (the profile timed it with the other cores idle). And
 each step per second that the other workers stream tokens in slows a step that computes prompt tokens by
 the profile's `interference_step_s` seconds per second (the fleet's workers share the host the profile was
-calibrated on): a split fleet's prefill runs slower while its
-decode worker streams. Per streaming step, not per token: every step wakes the router, the client and
-the HTTP loops once, whatever its rows (on the
-2-core CPU this fitted the split fleet's TTFT better than a per-token charge, 1 and 2 req/s). Only a
+calibrated on): a split fleet's prefill runs slower while its decode worker streams. Per streaming step, not
+per token: every step wakes the router, the client and the HTTP loops once, whatever its rows (on the 2-core
+CPU this fitted the split fleet's TTFT better than a per-token charge, 1 and 2 req/s). Only a
 prefill worker's steps: applied to a colocated cluster's prefills too, the term fitted on the split fleet
 priced the 2-worker cluster's light-load TTFT 61-65% high (docs/benchmarks.md, plan validation run 11;
 run 12 without it: -9 to -14%).
