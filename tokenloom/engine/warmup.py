@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from tokenloom.engine.engine import LLMEngine
+from tokenloom.engine.kv_cache_manager import PrefixCacheStats
 from tokenloom.engine.stats import EngineStats
 from tokenloom.kernels.limits import PACKED_MAX_ROWS, SKINNY_MAX_ROWS
 from tokenloom.sampling_params import SamplingParams
@@ -74,7 +75,11 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
             engine.add_request(tokens(prompt_len, i + 1), greedy(2), request_id=f"warmup-decode-{rows}-{i}")
         steps += _drain(engine)
     engine.reset_prefix_cache()
+    # Users' counters start at zero: the engine's, the prefix cache's (else /metrics' hit rate would count
+    # warm-up's thousands of looked-up prompt tokens) and the scheduler's preemptions.
     engine.stats = EngineStats()
+    engine.kv.stats = PrefixCacheStats()
+    engine.scheduler.num_preemptions = 0
     return WarmupReport(time.monotonic() - start, prefill, batch, steps)
 
 
