@@ -116,7 +116,11 @@ OPEN = ("single", "cluster-2")
 # steps themselves, 0.9-1.6 ms per step + 0.3 ms per token, left every row bucket within 1.5 ms). Run 24's
 # 32 requests at 1.5 x made few such steps (the fit moved little: 1.02 ms per step + 0.047 per token);
 # three times as many build the queue up. Not one of the judged rates (1/4 .. 2 x).
-BURST = {"cluster-2": (1.5, 96)}
+# The split fleet's burst puts many rows on its decode worker while its prefill worker computes the
+# arrivals, which its closed loops (concurrency 1 and 4: at most 4 rows) never do: its decode steps of 9-64
+# rows ran 4-18 ms over those with the prefill worker idle in runs 28-30's judged traces
+# (split_decode_step_s / _row_s, fitted from its workers' traces over these runs).
+BURST = {"cluster-2": (1.5, 96), "split-1P1D": (1.5, 96)}
 # The cluster's router costs show only when both workers stream at once: concurrency 8, and 32 for many
 # rows per worker (in runs 21-22, calibrated without it, its workers' judged steps of 8-64 rows cost 3.6-7.5
 # ms more than their price, against 0.9-2.4 ms in the calibration's steps of up to 8 rows).
@@ -177,9 +181,9 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
     port = free_port()
     trace = a.out / f"step-trace-{name}.csv"
     # The single server's trace fits the per-step and per-row overhead, the 2-worker cluster's workers' the
-    # router's per-step and per-token cost and the prompt-chunk ratio (tokenloom/plan/calibrate.py). The
-    # split fleet's workers (worker-0 decode, worker-1 prefill) are traced for the record: nothing is fitted
-    # from them yet (its prefill worker's slowdown is interference_step_s, fitted from its TTFT).
+    # router's per-step and per-token cost and the prompt-chunk ratio, the split fleet's workers' (worker-0
+    # decode, worker-1 prefill) what its decode steps cost beside a prefill step (tokenloom/plan/calibrate.py;
+    # its prefill worker's slowdown is interference_step_s, fitted from its TTFT).
     traced = name in ("single", "cluster-2", "split-1P1D") and not a.no_step_trace
     trace_dir = a.out / f"step-traces-{name}"
     trace_flags = []
@@ -220,13 +224,12 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
                 calibrated["trace"] = [snapshot]
             elif traced:
                 snapshots = []
-                for worker in sorted(trace_dir.glob("worker-*.csv")):
+                for worker in worker_traces(trace_dir, "worker-*.csv"):
                     snapshot = a.out / f"step-trace-calibration-{name}-{worker.stem}.csv"
                     header, *steps = worker.read_text().splitlines(keepends=True)
                     snapshot.write_text(header + "".join(steps[max(0, skip.get(worker, 1) - 1):]))
                     snapshots.append(snapshot)
-                if name == "cluster-2":
-                    calibrated["cluster-trace"] = snapshots
+                calibrated[TRACE_KEY[name]] = snapshots
             print(f"== calibrating with {', '.join(calibrated)}", flush=True)
             prof = calibrated_profile(bare, calibrated, a)
         rates = [round(r, 2) for r in (a.rates or predicted_rates(prof, fleet, a))]
@@ -248,14 +251,27 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
     return prof, folders
 
 
+# The calibration keys of the traced clusters' worker traces.
+TRACE_KEY = {"cluster-2": "cluster-trace", "split-1P1D": "split-trace"}
+
+
+def worker_traces(folder: Path, pattern: str) -> list[Path]:
+    """The worker-I traces matching `pattern` in `folder`, by I (the cluster's order: decode workers first)."""
+    return sorted(folder.glob(pattern), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+
+
 def calibrated_profile(bare: Profile, calibrated: dict[str, list[Path]], a: argparse.Namespace) -> Profile:
     """`bare` calibrated on the calibration folders of every set-up in `calibrated` (and its "trace", the
     single server's step trace, if any); saved as profile-calibrated.json and printed."""
     cluster = (calibrated["cluster-2"], SETUPS["cluster-2"][1]) if "cluster-2" in calibrated else None
-    split = (calibrated["split-1P1D"], SETUPS["split-1P1D"][1]) if "split-1P1D" in calibrated else None
+    # The split fleet's burst is there for its workers' traces: its TTFT, all queueing far above the knee,
+    # would drive the interference fit (a TTFT gap; run 29 re-judged with it: 14.2 ms per step/s, the
+    # light TTFT priced 62% high).
+    split = ([f for f in calibrated["split-1P1D"] if not f.name.endswith("-burst")], SETUPS["split-1P1D"][1]) \
+        if "split-1P1D" in calibrated else None
     prof = calibrate(bare, calibrated["single"], SETUPS["single"][1], a.seed, cluster=cluster, split=split,
                      step_traces=calibrated.get("trace"), cluster_step_traces=calibrated.get("cluster-trace"),
-                     log=lambda m: print(m, flush=True))
+                     split_step_traces=calibrated.get("split-trace"), log=lambda m: print(m, flush=True))
     prof.save(a.out / "profile-calibrated.json")
     print(f"calibrated: {overheads_line(prof)}", flush=True)
     return prof
@@ -277,9 +293,12 @@ def rejudge(src: Path, bare: Profile, a: argparse.Namespace) -> tuple[Profile, l
     trace = src / "step-trace-calibration.csv"
     if trace.exists() and not a.no_step_trace:
         calibrated["trace"] = [trace]
-    workers = sorted(src.glob("step-trace-calibration-cluster-2-worker-*.csv"))
-    if workers and "cluster-2" in calibrated and not a.no_step_trace:
-        calibrated["cluster-trace"] = workers
+    for name, key in TRACE_KEY.items():
+        workers = worker_traces(src, f"step-trace-calibration-{name}-worker-*.csv")
+        # Runs 28 and 30 traced the split fleet without a burst: its fit would have no many-row step.
+        burst = any(f.name.endswith("-burst") for f in calibrated.get(name, []))
+        if workers and name in calibrated and not a.no_step_trace and (burst or name != "split-1P1D"):
+            calibrated[key] = workers
     return (bare if a.no_calibrate else calibrated_profile(bare, calibrated, a)), measured
 
 

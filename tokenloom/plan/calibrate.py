@@ -34,7 +34,10 @@ each a least-squares fit of a constant or a line to a few measured `bench serve`
    steps slow the prefill worker's steps on the shared host (the same search on the median TTFT gap).
    It slows only a split fleet's prefill worker (plan/simulator.py), so the router terms are fitted once,
    before it (until 2026-12-06 it slowed a colocated cluster's prefills too and the two were fitted in
-   turn, three rounds).
+   turn, three rounds). Before both, given its workers' step traces, split_decode_step_s and
+   split_decode_row_s: what its decode worker's steps cost beside a prefill worker's step beyond the same
+   steps without one (plan/host.py fit_split_decode); its calibration needs a run with many rows per
+   decode step for that (a burst above its knee).
 Every term is clipped at 0 (a faster-than-simulated measurement means no such cost, not a negative one).
 Calibrate on points you will not judge the simulation by, then compare at others.
 """
@@ -45,7 +48,7 @@ import json
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -56,6 +59,9 @@ from tokenloom.plan.metrics import fleet_summary
 from tokenloom.plan.profile_file import Profile
 from tokenloom.plan.simulator import FleetConfig, simulate
 from tokenloom.plan.workload import SimRequest, replay
+
+if TYPE_CHECKING:
+    from tokenloom.plan.host import SplitDecodeFit
 
 Point = tuple[dict[str, Any], Path]  # a bench summary point and its own records file
 
@@ -226,7 +232,7 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
               cluster: tuple[list[Path], FleetConfig] | None = None,
               split: tuple[list[Path], FleetConfig] | None = None,
               step_traces: list[Path] | None = None, cluster_step_traces: list[Path] | None = None,
-              log: Callable[[str], None] = lambda m: None) -> Profile:
+              split_step_traces: list[Path] | None = None, log: Callable[[str], None] = lambda m: None) -> Profile:
     """Fit the module docstring's terms: `folders` of the single server (`fleet`), then optionally the
     router terms from `cluster`'s measured folders, and the handoff (light points) and the interference
     (loaded points) from `split`'s.
@@ -234,7 +240,10 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     with the served steps, and the per-step and per-row overhead come from the traced steps themselves
     (plan/host.py) instead of the TPOT regression. With `cluster_step_traces` (the cluster's workers'
     traces over its calibration runs) router_step_s and router_token_s are their decode steps' cost beyond
-    the single server's per-step and per-row terms (host.fit_router_excess), not the loaded TPOT gap."""
+    the single server's per-step and per-row terms (host.fit_router_excess), not the loaded TPOT gap. With
+    `split_step_traces` (the split fleet's workers' traces over its calibration runs, in `cluster
+    --step-trace-dir`'s order: its decode workers, then its prefill workers) split_decode_step_s and
+    split_decode_row_s are fitted (host.fit_split_decode) before the handoff and the interference."""
     points = [pt for folder in folders for pt in bench_points(folder) if pt[0].get("tpot_s_median") is not None]
     need = 1 if step_traces else 2
     if len(points) < need:
@@ -259,7 +268,7 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     for _ in range(rounds):
         cur = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
                       router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, peer_chunk_ratio=0.0,
-                      handoff_s=0.0, interference_step_s=0.0)
+                      handoff_s=0.0, interference_step_s=0.0, split_decode_step_s=0.0, split_decode_row_s=0.0)
         xs, ys, used, gaps = [], [], [], []
         for (point, _), reqs in zip(points, requests):
             s = fleet_summary(simulate(cur, fleet, reqs, seed))
@@ -281,7 +290,7 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
         req = max(0.0, float(np.mean(gaps))) if gaps else 0.0
     out = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
                   router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, peer_chunk_ratio=0.0,
-                  handoff_s=0.0, interference_step_s=0.0)
+                  handoff_s=0.0, interference_step_s=0.0, split_decode_step_s=0.0, split_decode_row_s=0.0)
     log(f"single server: {a * 1e3:.2f} ms/step + {b * 1e3:.3f} ms/row; request {req * 1e3:.1f} ms, "
         f"response {response * 1e3:.1f} ms, from {len(used)} points")
     if split is not None and split[1].prefill_workers < 1:
@@ -314,6 +323,13 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
         hop, r2 = _residual_fit("router_hop_s", out, c_fleet, c_light, "ttft_s_median", seed, log)
         out = replace(out, router_hop_s=hop)
         fits += r1 + r2
+    split_fit = None
+    if split_step_traces:
+        if s_pts is None:
+            raise ConfigError("the split fleet's step traces need its calibration runs (split=) too")
+        split_fit = _split_decode_fit(out, s_pts[0], split_step_traces)
+        log(f"split step traces: {split_fit.line()}")
+        out = replace(out, split_decode_step_s=split_fit.step_s, split_decode_row_s=split_fit.row_s)
     if s_pts is not None:
         s_fleet, s_light, s_loaded = s_pts
         handoff, r3 = _residual_fit("handoff_s", out, s_fleet, s_light, "ttft_s_median", seed, log)
@@ -332,7 +348,23 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
                                      "cluster_step_traces": [str(f) for f in cluster_step_traces or []],
                                      "cluster_step_trace_fit": None if router_fit is None else router_fit.line(),
                                      "cluster_chunk_fit": None if chunk_fit is None else chunk_fit.line(),
-                                     "split_folders": [str(f) for f in split[0]] if split else []})
+                                     "split_folders": [str(f) for f in split[0]] if split else [],
+                                     "split_step_traces": [str(f) for f in split_step_traces or []],
+                                     "split_decode_fit": None if split_fit is None else split_fit.line()})
+
+
+def _split_decode_fit(prof: Profile, fleet: FleetConfig, traces: list[Path]) -> SplitDecodeFit:
+    """host.fit_split_decode over the split fleet's worker traces: the first fleet.workers are its decode
+    workers, the next fleet.prefill_workers its prefill workers (`cluster --step-trace-dir`'s order)."""
+    from tokenloom.plan.host import attribute, fit_split_decode, load_trace
+
+    if len(traces) != fleet.workers + fleet.prefill_workers:
+        raise ConfigError(f"the split fleet's step traces: {len(traces)} given, its {fleet.workers} decode and "
+                          f"{fleet.prefill_workers} prefill workers make "
+                          f"{fleet.workers + fleet.prefill_workers} (decode workers' first)")
+    df = attribute(prof, load_trace(traces))
+    return fit_split_decode(df, {str(t) for t in traces[fleet.workers:]}, prof.overhead_step_s,
+                            prof.overhead_row_s, prof.router_token_s)
 
 
 def overheads_line(prof: Profile) -> str:
@@ -342,4 +374,5 @@ def overheads_line(prof: Profile) -> str:
             f"ms/request + {prof.router_step_s * 1e3:.2f} ms/step + {prof.router_token_s * 1e3:.2f} ms/token, prompt "
             f"chunks x{1 + prof.peer_chunk_ratio:.3f} beside another worker; "
             f"split handoff +{prof.handoff_s * 1e3:.1f} ms; "
-            f"interference {prof.interference_step_s * 1e3:.2f} ms per streaming step/s of other workers")
+            f"interference {prof.interference_step_s * 1e3:.2f} ms per streaming step/s of other workers; split decode "
+            f"beside a prefill +{prof.split_decode_step_s * 1e3:.2f} ms + {prof.split_decode_row_s * 1e3:.3f} ms/row")

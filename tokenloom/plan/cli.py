@@ -104,6 +104,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                          "fits the router's per-step and per-token cost from their steps instead of the per-token "
                          "cost from the loaded TPOT (leave out steps of a concurrency-1 run: one worker steps at "
                          "a time there)")
+    ca.add_argument("--split-step-trace", type=Path, nargs="+", default=None,
+                    help="the split cluster's workers' step traces over the --split-bench runs (`cluster "
+                         "--step-trace-dir`, decode worker first, then prefill): fits what its decode steps cost beside a prefill step "
+                         "(needs a run with many rows per step among them, e.g. a burst above its knee)")
     ca.add_argument("--seed", type=int, default=0)
     ca.add_argument("--out", type=Path, required=True, help="the calibrated profile")
     ca.set_defaults(func=_calibrate)
@@ -205,7 +209,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     split = (args.split_bench, FleetConfig(workers=1, prefill_workers=1)) if args.split_bench else None
     prof = calibrate(Profile.load(args.profile), args.bench, FleetConfig(workers=args.workers), args.seed,
                      cluster=cluster, split=split, step_traces=args.step_trace,
-                     cluster_step_traces=args.cluster_step_trace, log=print)
+                     cluster_step_traces=args.cluster_step_trace, split_step_traces=args.split_step_trace, log=print)
     prof.save(args.out)
     print(f"serving overhead: {overheads_line(prof)}, from {len(prof.calibration['points'])} measured points "
           f"-> {args.out}")

@@ -18,7 +18,7 @@ contention that grows with the rows streamed, which light-load calibration point
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -138,20 +138,22 @@ def _covered_before(m: np.ndarray, t: np.ndarray) -> np.ndarray:
     return np.where(k > 0, before[last] + np.clip(t - m[last, 0], 0.0, length[last]), 0.0)
 
 
-def peer_busy(df: pd.DataFrame) -> np.ndarray:
+def peer_busy(df: pd.DataFrame, peers: Collection[str] | None = None) -> np.ndarray:
     """Per traced step, the fraction of its engine time (step_start .. step_end) during which another trace
     (another worker of the fleet; the traces share the monotonic clock) was in a loop iteration (loop_start ..
     posted: its step and the work around it, all of it on the shared cores; the simulator's step holds the
-    engine as long)."""
+    engine as long). `peers`: the traces that count as the others (default: all)."""
     out = np.zeros(len(df))
     starts, ends = df["step_start"].to_numpy(float), df["step_end"].to_numpy(float)
     loops, posted = df["loop_start"].to_numpy(float), df["posted"].to_numpy(float)
     traces = df["trace"].to_numpy()
+    counted = np.ones(len(df), bool) if peers is None else np.isin(traces, list(peers))
     for name in np.unique(traces):
         mine = traces == name
+        others = ~mine & counted
         # The union of the other traces' iterations as disjoint intervals [lo_k, hi_k).
-        order = np.argsort(loops[~mine])
-        lo, hi = loops[~mine][order], posted[~mine][order]
+        order = np.argsort(loops[others])
+        lo, hi = loops[others][order], posted[others][order]
         merged: list[list[float]] = []
         for a, b in zip(lo, hi):
             if merged and a <= merged[-1][1]:
@@ -200,6 +202,47 @@ def fit_peer_chunks(attributed: pd.DataFrame, step_s: float, row_s: float, route
     x = df["predicted"].to_numpy(float) * busy[chunk]
     ratio = max(0.0, float(x @ excess / (x @ x)))
     return PeerChunkFit(ratio, len(df), float(busy[chunk].mean()))
+
+
+@dataclass(frozen=True)
+class SplitDecodeFit:
+    step_s: float  # a decode step's cost beside a prefill worker's step, beyond the same step without one
+    row_s: float  # and per row of it
+    steps: int  # the decode worker's decode steps fitted
+    beside: int  # of them, those more than half beside a prefill worker's step
+    charged: bool  # False where too few steps ran beside one, or too few alone, to tell the two apart
+
+    def line(self) -> str:
+        if not self.charged:
+            return (f"{self.beside} of {self.steps} traced decode steps beside a prefill worker's (3 beside and 3 "
+                    f"alone needed): none charged")
+        return (f"decode steps beside a prefill step +{self.step_s * 1e3:.2f} ms + {self.row_s * 1e3:.3f} ms/row, from "
+                f"{self.steps} served decode steps ({self.beside} of them beside one)")
+
+
+def fit_split_decode(attributed: pd.DataFrame, prefill_traces: Collection[str], step_s: float, row_s: float,
+                     token_s: float) -> SplitDecodeFit:
+    """A split fleet's traced decode-only steps of its decode workers (every trace not in `prefill_traces`):
+    their time beyond the price and the charged terms (the single server's per-step and per-row overhead,
+    the router's per-token cost) as a least-squares plane in (1, rows, busy, busy x rows), busy the
+    fraction of the step beside a prefill worker's loop iteration (`peer_busy`). The busy terms, clipped at
+    0, are the simulator's split_decode_step_s and split_decode_row_s; the first two are the decode worker's
+    own steps' mismatch whatever the prefill worker does, fitted so that they do not leak into the busy
+    terms and not charged: a per-step and per-token cost of its own (fitted from the same kind of traces in
+    plan validation run 29) priced its light-load TPOT 18-25% high. On the 2-core Xeon its steps of 9-64
+    rows ran 4-18 ms over those with the prefill worker idle (runs 28-30: 0.25-0.34 ms per row), which
+    left the split fleet's simulated efficiency above its measured one from half its capacity up."""
+    busy = peer_busy(attributed, prefill_traces)
+    mine = (~attributed["trace"].isin(list(prefill_traces)) & attributed["decode_only"]).to_numpy(bool)
+    df, b = attributed[mine], busy[mine]
+    beside = int((b > 0.5).sum())
+    if beside < 3 or int((b <= 0.5).sum()) < 3:
+        return SplitDecodeFit(0.0, 0.0, len(df), beside, False)
+    rows = df["num_rows"].to_numpy(float)
+    excess = df["overhead"].to_numpy(float) - step_s - row_s * rows - token_s * df["streamed"].to_numpy(float)
+    a = np.column_stack([np.ones(len(df)), rows, b, b * rows])
+    x, *_ = np.linalg.lstsq(a, excess, rcond=None)
+    return SplitDecodeFit(max(0.0, float(x[2])), max(0.0, float(x[3])), len(df), beside, True)
 
 
 def refit_cost(profile: Profile, df: pd.DataFrame) -> tuple[Profile, str]:
