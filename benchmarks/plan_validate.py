@@ -22,8 +22,7 @@ knee is low (`--rate-fractions 0.125,0.25,0.5,1,2` brings it back). Keep the mac
       server also at concurrency 8 and 32 and open loop at 0.75 x the knee the bare profile predicts
       (OPEN_LOAD), the 2-worker cluster at 8 and 32 and open loop at 0.75 x its knee as the profile
       calibrated so far predicts (OPEN) and a burst of 96 requests at 1.5 x (BURST), the split fleet at
-      4. `plan calibrate`
-      then fits, with
+      4, 16 (96 requests: ROWS) and a burst of 96 at 1.5 x its knee. `plan calibrate` then fits, with
       everything measured so far:
       per step + per row from the single server's step trace of those runs (`serve --step-trace`: each
       served decode step against the profile's price for its rows; --no-step-trace: from the runs' TPOT
@@ -33,8 +32,9 @@ knee is low (`--rate-fractions 0.125,0.25,0.5,1,2` brings it back). Keep the mac
       decode steps' time beyond the single server's overhead, a line in the tokens each streamed; and
       from the same traces peer_chunk_ratio, their prompt-chunk steps' cost beside the other worker's;
       --no-step-trace: the per-token cost from its loaded TPOT gap); the prefill -> decode
-      handoff (light) and the interference of streams with prefills (loaded) from the split cluster, the
-      router terms refitted with it (see tokenloom/plan/calibrate.py). The split set-up uses the router
+      handoff (light) and the interference of streams with prefills (concurrency 4) from the split
+      cluster, and from its workers' traces over all four runs what its decode steps cost per row beside a
+      prefill step (split_decode_row_s; see tokenloom/plan/calibrate.py). The split set-up uses the router
       terms only if cluster-2 ran before it. The fit is printed.
    b. the judged runs: --repeats sweeps of `bench serve` at Poisson rates, by default 1/4, 1/2, 1 and 2 x
       the knee the calibrated planner predicts for that fleet (a sweep of simulated rates), so that the
@@ -117,10 +117,15 @@ OPEN = ("single", "cluster-2")
 # 32 requests at 1.5 x made few such steps (the fit moved little: 1.02 ms per step + 0.047 per token);
 # three times as many build the queue up. Not one of the judged rates (1/4 .. 2 x).
 # The split fleet's burst puts many rows on its decode worker while its prefill worker computes the
-# arrivals, which its closed loops (concurrency 1 and 4: at most 4 rows) never do: its decode steps of 9-64
-# rows ran 4-18 ms over those with the prefill worker idle in runs 28-30's judged traces
-# (split_decode_step_s / _row_s, fitted from its workers' traces over these runs).
+# arrivals, which its closed loops at concurrency 1 and 4 (at most 4 rows) never do: its decode steps of
+# 9-64 rows ran 4-18 ms over those with the prefill worker idle in runs 28-30's judged traces
+# (split_decode_row_s, fitted from its workers' traces over these runs).
 BURST = {"cluster-2": (1.5, 96), "split-1P1D": (1.5, 96)}
+# Runs whose steps only its workers' traces use, not the residual fits: the split fleet's decode worker at
+# about 16 rows the whole run, the prefill worker stepping beside some of its steps and not others, at
+# the same row counts (run 31's burst left 15 steps of 9-16 rows to compare, and its fit gave 0.61 ms per
+# row against 0.30 from the judged runs' thousands).
+ROWS = {"split-1P1D": ["--concurrency", "16", "--num-prompts", "96"]}
 # The cluster's router costs show only when both workers stream at once: concurrency 8, and 32 for many
 # rows per worker (in runs 21-22, calibrated without it, its workers' judged steps of 8-64 rows cost 3.6-7.5
 # ms more than their price, against 0.9-2.4 ms in the calibration's steps of up to 8 rows).
@@ -211,6 +216,9 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
                 rate = round(OPEN_LOAD * knee_rate, 2)
                 calibrated[name].append(bench(port, a.out / f"calibration-{name}-open",
                                               ["--request-rate", f"{rate:g}"] + n, a, a.seed + 3000))
+            if name in ROWS:
+                calibrated[name].append(bench(port, a.out / f"calibration-{name}-rows", ROWS[name], a,
+                                              a.seed + 5000))
             if name in BURST:
                 factor, requests = BURST[name]
                 rate = round(factor * knee_rate, 2)
@@ -264,11 +272,11 @@ def calibrated_profile(bare: Profile, calibrated: dict[str, list[Path]], a: argp
     """`bare` calibrated on the calibration folders of every set-up in `calibrated` (and its "trace", the
     single server's step trace, if any); saved as profile-calibrated.json and printed."""
     cluster = (calibrated["cluster-2"], SETUPS["cluster-2"][1]) if "cluster-2" in calibrated else None
-    # The split fleet's burst is there for its workers' traces: its TTFT, all queueing far above the knee,
-    # would drive the interference fit (a TTFT gap; run 29 re-judged with it: 14.2 ms per step/s, the
-    # light TTFT priced 62% high).
-    split = ([f for f in calibrated["split-1P1D"] if not f.name.endswith("-burst")], SETUPS["split-1P1D"][1]) \
-        if "split-1P1D" in calibrated else None
+    # The split fleet's burst and many-row run are there for its workers' traces: their TTFT, all queueing,
+    # would drive the interference fit (a TTFT gap; run 29 re-judged with its burst: 14.2 ms per step/s,
+    # the light TTFT priced 62% high).
+    split = ([f for f in calibrated["split-1P1D"] if not f.name.endswith(("-burst", "-rows"))],
+             SETUPS["split-1P1D"][1]) if "split-1P1D" in calibrated else None
     prof = calibrate(bare, calibrated["single"], SETUPS["single"][1], a.seed, cluster=cluster, split=split,
                      step_traces=calibrated.get("trace"), cluster_step_traces=calibrated.get("cluster-trace"),
                      split_step_traces=calibrated.get("split-trace"), log=lambda m: print(m, flush=True))
@@ -282,7 +290,7 @@ def rejudge(src: Path, bare: Profile, a: argparse.Namespace) -> tuple[Profile, l
     set-up's judged sweeps (the bench folders {name}-r{i})."""
     # A burst is calibrated on only where BURST says so (run 29 also ran one for the split fleet's trace).
     calibrated = {name: [f for f in (src / f"calibration-{name}", src / f"calibration-{name}-loaded",
-                                     src / f"calibration-{name}-open",
+                                     src / f"calibration-{name}-open", src / f"calibration-{name}-rows",
                                      *([src / f"calibration-{name}-burst"] if name in BURST else []))
                          if f.is_dir()]
                   for name in a.setups}
@@ -296,7 +304,7 @@ def rejudge(src: Path, bare: Profile, a: argparse.Namespace) -> tuple[Profile, l
     for name, key in TRACE_KEY.items():
         workers = worker_traces(src, f"step-trace-calibration-{name}-worker-*.csv")
         # Runs 28 and 30 traced the split fleet without a burst: its fit would have no many-row step.
-        burst = any(f.name.endswith("-burst") for f in calibrated.get(name, []))
+        burst = any(f.name.endswith(("-burst", "-rows")) for f in calibrated.get(name, []))
         if workers and name in calibrated and not a.no_step_trace and (burst or name != "split-1P1D"):
             calibrated[key] = workers
     return (bare if a.no_calibrate else calibrated_profile(bare, calibrated, a)), measured

@@ -320,58 +320,57 @@ def test_a_colocated_workers_prompt_chunks_beside_another_workers_step_cost_the_
                  reqs).records[1].first_token)
 
 
-def test_a_split_decode_step_beside_a_prefill_step_costs_the_split_decode_terms() -> None:
+def test_a_split_decode_step_beside_a_prefill_step_costs_split_decode_row_s_per_row() -> None:
     # Steps of 5 ms; 1 ms link latency. Request 0: prefill 0-5 ms, handed off at 6, decoded 6-11, 11-16.
     # Request 1 arrives at 15 ms: the prefill worker computes it 15-20 while the decode worker's step starts
-    # at 16, which costs 5 + 2 + 1 x 1 row = 8 ms (token at 24). Request 1 reaches the decode worker at 21,
+    # at 16, which costs 5 + 3 x 1 row = 8 ms (token at 24). Request 1 reaches the decode worker at 21,
     # mid-step, and joins at 24: 24-29 is a 2-row step with the prefill worker idle, a plain 5 ms.
-    p = replace(profile((0.005, 0.0, 0.0)), split_decode_step_s=0.002, split_decode_row_s=0.001)
+    p = replace(profile((0.005, 0.0, 0.0)), split_decode_row_s=0.003)
     split = FleetConfig(workers=1, prefill_workers=1, router=False)
     reqs = [SimRequest(0.0, tuple(range(1, 9)), 20), SimRequest(0.015, tuple(range(100, 108)), 2)]
     a, b = simulate(p, split, reqs).records
     assert a.token_times[:5] == pytest.approx([0.011, 0.016, 0.024, 0.029, 0.034])
     assert b.token_times == pytest.approx([0.029, 0.034])
-    a0, _ = simulate(replace(p, split_decode_step_s=0.0, split_decode_row_s=0.0), split, reqs).records
+    a0, _ = simulate(replace(p, split_decode_row_s=0.0), split, reqs).records
     assert a0.token_times[:3] == pytest.approx([0.011, 0.016, 0.021])
     # A colocated cluster's workers never pay them (they have no prefill worker beside them).
     cluster = FleetConfig(workers=2, policy="round_robin", router=False)
     assert [r.token_times for r in simulate(p, cluster, reqs).records] == \
-        [r.token_times for r in simulate(replace(p, split_decode_step_s=0.0, split_decode_row_s=0.0), cluster,
-                                         reqs).records]
+        [r.token_times for r in simulate(replace(p, split_decode_row_s=0.0), cluster, reqs).records]
 
 
 def test_split_decode_slowdown_comes_from_steps_beside_the_prefill_worker(tmp_path: Path) -> None:
     from tokenloom.plan.calibrate import calibrate
     from tokenloom.plan.host import attribute, fit_split_decode, load_trace
 
-    # "Reality": the decode worker's steps of 1-16 rows cost their price + 0.2 ms + 0.1 ms/row whatever the
-    # prefill worker does (its own mismatch: fitted, not charged) and 0.5 ms + 0.3 ms/row more while the
-    # prefill worker steps (from 0 to 20 s: one long prompt step); each iteration then pays the single
-    # server's 0.9 ms + 0.2 ms per row after the step. Decode steps at 0..39 s: the first 20 beside it.
+    # "Reality": the decode worker's steps of 1-16 rows cost their price + 0.2 ms + an uneven 0-1.5 ms by row
+    # count (its own mismatch, whatever the prefill worker does: fitted, not charged) and 0.3 ms/row more
+    # while the prefill worker steps (from 0 to 32 s: one long prompt step); each iteration then pays the
+    # single server's 0.9 ms + 0.2 ms per row after the step. Decode steps at 0..63 s: the first 32 beside it.
     bare = profile((0.002, 1e-5, 2e-4))
 
     def decode(t: int) -> tuple[float, float, list[tuple[int, int]], float]:
         rows = [(1, 100)] * (1 + t % 16)
-        extra = 2e-4 + 1e-4 * len(rows) + (5e-4 + 3e-4 * len(rows) if t < 20 else 0.0)
-        return float(t), bare.cost.step_time(rows) + extra, rows, 9e-4 + 2e-4 * len(rows)
+        own = 2e-4 + 1e-4 * (len(rows) * 7 % 16)
+        return float(t), bare.cost.step_time(rows) + own + (3e-4 * len(rows) if t < 32 else 0.0), rows, \
+            9e-4 + 2e-4 * len(rows)
 
-    dw = _timed_trace(tmp_path / "worker-0.csv", [decode(t) for t in range(40)])
-    pw = _timed_trace(tmp_path / "worker-1.csv", [(0.0, 20.0, [(512, 0)], 0.0)])
+    dw = _timed_trace(tmp_path / "worker-0.csv", [decode(t) for t in range(64)])
+    pw = _timed_trace(tmp_path / "worker-1.csv", [(0.0, 32.0, [(512, 0)], 0.0)])
     df = attribute(bare, load_trace([dw, pw]))
     fit = fit_split_decode(df, {str(pw)}, 9e-4, 2e-4, 0.0)
-    assert fit.charged and fit.steps == 40 and fit.beside == 20
-    assert fit.step_s == pytest.approx(5e-4, abs=2e-5) and fit.row_s == pytest.approx(3e-4, abs=2e-6)
-    assert fit.line().startswith("decode steps beside a prefill step +0.50 ms + 0.300 ms/row")
-    # Steps that ran faster beside the prefill worker: nothing charged, not a negative cost.
-    fast = _timed_trace(tmp_path / "fast-0.csv", [(t, e - (8e-4 + 4e-4 * len(r) if t < 20 else 0.0), r, x)
-                                                  for t, e, r, x in (decode(t) for t in range(40))])
-    got = fit_split_decode(attribute(bare, load_trace([fast, pw])), {str(pw)}, 9e-4, 2e-4, 0.0)
-    assert got.charged and got.step_s == 0.0 and got.row_s == 0.0
-    # Every step beside it (none alone to tell the prefill worker's share from the decode worker's own):
-    # nothing charged, and the line says why.
-    beside_only = _timed_trace(tmp_path / "b-0.csv", [decode(t) for t in range(20)])
-    busy_only = fit_split_decode(attribute(bare, load_trace([beside_only, pw])), {str(pw)}, 9e-4, 2e-4, 0.0)
-    assert not busy_only.charged and busy_only.step_s == busy_only.row_s == 0.0 and "none charged" in busy_only.line()
+    assert fit.steps == 64 and fit.compared == 64
+    assert fit.row_s == pytest.approx(3e-4, abs=2e-6)  # the trace keeps microseconds
+    assert fit.line().startswith("decode steps beside a prefill step +0.300 ms/row")
+    # Steps that ran faster than their price beside the prefill worker: nothing charged, not a negative cost.
+    fast = _timed_trace(tmp_path / "fast-0.csv", [(t, e - (6e-4 * len(r) if t < 32 else 0.0), r, x)
+                                                  for t, e, r, x in (decode(t) for t in range(64))])
+    assert fit_split_decode(attribute(bare, load_trace([fast, pw])), {str(pw)}, 9e-4, 2e-4, 0.0).row_s == 0.0
+    # Row counts seen only beside it (or only alone) cannot tell the prefill worker's share from the decode
+    # worker's own: with every step beside it nothing is charged, and the line says why.
+    beside_only = _timed_trace(tmp_path / "b-0.csv", [decode(t) for t in range(32)])
+    none = fit_split_decode(attribute(bare, load_trace([beside_only, pw])), {str(pw)}, 9e-4, 2e-4, 0.0)
+    assert none.compared == 0 and none.row_s == 0.0 and "none charged" in none.line()
 
     # Through calibrate, with the split fleet's traces in `cluster --step-trace-dir`'s order (decode first).
     real = replace(bare, overhead_step_s=9e-4, overhead_row_s=2e-4, request_s=0.05)
@@ -383,7 +382,6 @@ def test_split_decode_slowdown_comes_from_steps_beside_the_prefill_worker(tmp_pa
         for t, n in enumerate((1, 2, 4, 8) * 10)])
     got = calibrate(bare, [single], FleetConfig(), split=([split], split_fleet), step_traces=[single_trace],
                     split_step_traces=[dw, pw])
-    assert got.split_decode_step_s == pytest.approx(5e-4, abs=2e-5)
     assert got.split_decode_row_s == pytest.approx(3e-4, abs=2e-6)
     assert got.calibration["split_decode_fit"].startswith("decode steps beside a prefill step")
     with pytest.raises(ConfigError, match="decode workers' first"):

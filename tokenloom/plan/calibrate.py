@@ -34,9 +34,8 @@ each a least-squares fit of a constant or a line to a few measured `bench serve`
    steps slow the prefill worker's steps on the shared host (the same search on the median TTFT gap).
    It slows only a split fleet's prefill worker (plan/simulator.py), so the router terms are fitted once,
    before it (until 2026-12-06 it slowed a colocated cluster's prefills too and the two were fitted in
-   turn, three rounds). Before both, given its workers' step traces, split_decode_step_s and
-   split_decode_row_s: what its decode worker's steps cost beside a prefill worker's step beyond the same
-   steps without one (plan/host.py fit_split_decode); its calibration needs a run with many rows per
+   turn, three rounds). Before both, given its workers' step traces, split_decode_row_s: what its decode
+   worker's steps cost per row beside a prefill worker's step beyond steps of as many rows without one (plan/host.py fit_split_decode); its calibration needs a run with many rows per
    decode step for that (a burst above its knee).
 Every term is clipped at 0 (a faster-than-simulated measurement means no such cost, not a negative one).
 Calibrate on points you will not judge the simulation by, then compare at others.
@@ -242,8 +241,8 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     traces over its calibration runs) router_step_s and router_token_s are their decode steps' cost beyond
     the single server's per-step and per-row terms (host.fit_router_excess), not the loaded TPOT gap. With
     `split_step_traces` (the split fleet's workers' traces over its calibration runs, in `cluster
-    --step-trace-dir`'s order: its decode workers, then its prefill workers) split_decode_step_s and
-    split_decode_row_s are fitted (host.fit_split_decode) before the handoff and the interference."""
+    --step-trace-dir`'s order: its decode workers, then its prefill workers) split_decode_row_s is fitted (host.fit_split_decode)
+    before the handoff and the interference."""
     points = [pt for folder in folders for pt in bench_points(folder) if pt[0].get("tpot_s_median") is not None]
     need = 1 if step_traces else 2
     if len(points) < need:
@@ -268,7 +267,7 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     for _ in range(rounds):
         cur = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
                       router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, peer_chunk_ratio=0.0,
-                      handoff_s=0.0, interference_step_s=0.0, split_decode_step_s=0.0, split_decode_row_s=0.0)
+                      handoff_s=0.0, interference_step_s=0.0, split_decode_row_s=0.0)
         xs, ys, used, gaps = [], [], [], []
         for (point, _), reqs in zip(points, requests):
             s = fleet_summary(simulate(cur, fleet, reqs, seed))
@@ -290,7 +289,7 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
         req = max(0.0, float(np.mean(gaps))) if gaps else 0.0
     out = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
                   router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, peer_chunk_ratio=0.0,
-                  handoff_s=0.0, interference_step_s=0.0, split_decode_step_s=0.0, split_decode_row_s=0.0)
+                  handoff_s=0.0, interference_step_s=0.0, split_decode_row_s=0.0)
     log(f"single server: {a * 1e3:.2f} ms/step + {b * 1e3:.3f} ms/row; request {req * 1e3:.1f} ms, "
         f"response {response * 1e3:.1f} ms, from {len(used)} points")
     if split is not None and split[1].prefill_workers < 1:
@@ -329,7 +328,7 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
             raise ConfigError("the split fleet's step traces need its calibration runs (split=) too")
         split_fit = _split_decode_fit(out, s_pts[0], split_step_traces)
         log(f"split step traces: {split_fit.line()}")
-        out = replace(out, split_decode_step_s=split_fit.step_s, split_decode_row_s=split_fit.row_s)
+        out = replace(out, split_decode_row_s=split_fit.row_s)
     if s_pts is not None:
         s_fleet, s_light, s_loaded = s_pts
         handoff, r3 = _residual_fit("handoff_s", out, s_fleet, s_light, "ttft_s_median", seed, log)
@@ -375,4 +374,4 @@ def overheads_line(prof: Profile) -> str:
             f"chunks x{1 + prof.peer_chunk_ratio:.3f} beside another worker; "
             f"split handoff +{prof.handoff_s * 1e3:.1f} ms; "
             f"interference {prof.interference_step_s * 1e3:.2f} ms per streaming step/s of other workers; split decode "
-            f"beside a prefill +{prof.split_decode_step_s * 1e3:.2f} ms + {prof.split_decode_row_s * 1e3:.3f} ms/row")
+            f"beside a prefill +{prof.split_decode_row_s * 1e3:.3f} ms/row")

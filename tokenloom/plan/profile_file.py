@@ -16,8 +16,7 @@ MEASURED = "measured"
 # The serving-time terms `plan calibrate` fits (seconds, but peer_chunk_ratio: a fraction), beside the engine
 # step's cost.
 OVERHEADS = ("overhead_step_s", "overhead_row_s", "request_s", "response_s", "router_hop_s", "router_step_s",
-             "router_token_s", "peer_chunk_ratio", "handoff_s", "interference_step_s", "split_decode_step_s",
-             "split_decode_row_s")
+             "router_token_s", "peer_chunk_ratio", "handoff_s", "interference_step_s", "split_decode_row_s")
 # Engine time per KV block that a split fleet's handoff holds each engine for (seconds; measured by `plan
 # profile`, 0 in older and analytic profiles): the prefill worker's export of a finished prompt's blocks
 # (disagg/blocks.py export_prefix, run on its engine thread before its next step) and the decode
@@ -71,11 +70,10 @@ class Profile:
     # 2-core CPU as a split fleet's prefill slowed 20-30% while its decode worker streamed; fitted from a
     # loaded split point (plan/calibrate.py).
     interference_step_s: float = 0.0
-    # And the other way: a split fleet's decode worker's step costs split_decode_step_s + split_decode_row_s x
-    # its rows more when it starts while a prefill worker computes a prompt. On the 2-core Xeon its steps of
-    # 9-64 rows ran 4-18 ms (about 0.3 ms per row) over those it took with the prefill worker idle (plan
-    # validation runs 28-30, plan/host.py fit_split_decode).
-    split_decode_step_s: float = 0.0
+    # And the other way: a split fleet's decode worker's step costs split_decode_row_s x its rows more when it
+    # starts while a prefill worker computes a prompt. On the 2-core Xeon its steps ran 0.29-0.31 ms per row
+    # over those of as many rows with the prefill worker idle (the judged runs of plan validation runs 28-31,
+    # plan/host.py fit_split_decode).
     split_decode_row_s: float = 0.0
     kv_export_s_per_block: float = 0.0  # see KV_MOVES
     kv_import_s_per_block: float = 0.0

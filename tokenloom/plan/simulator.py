@@ -37,8 +37,7 @@ CPU this fitted the split fleet's TTFT better than a per-token charge, 1 and 2 r
 prefill worker's steps: applied to a colocated cluster's prefills too, the term fitted on the split fleet
 priced the 2-worker cluster's light-load TTFT 61-65% high (docs/benchmarks.md, plan validation run 11;
 run 12 without it: -9 to -14%). The other way round, a split fleet's decode worker's step costs the
-profile's `split_decode_step_s` + `split_decode_row_s` x rows more when it starts while a prefill worker
-has a step in flight.
+profile's `split_decode_row_s` x rows more when it starts while a prefill worker has a step in flight.
 """
 
 from __future__ import annotations
@@ -161,9 +160,8 @@ class SimWorker:
         self.token_s = profile.router_token_s if routed else 0.0
         # A colocated worker's prompt chunks beside another worker's step: the profile timed them alone.
         self.chunk_ratio = profile.peer_chunk_ratio if role == "worker" and fleet.workers > 1 else 0.0
-        # A split fleet's decode step beside a prefill worker's step: (per step, per row) seconds.
-        self.beside_prefill = ((profile.split_decode_step_s, profile.split_decode_row_s) if role == "decode"
-                               else (0.0, 0.0))
+        # A split fleet's decode step beside a prefill worker's step: seconds per row.
+        self.beside_prefill = profile.split_decode_row_s if role == "decode" else 0.0
         self.stream_rate = 0.0  # 1 / its step's duration while a step that streams tokens is in flight, else 0
         # A split fleet's KV handoff copies on the engine thread between steps (the profile's per-block
         # export / import times): held until then, no step starts; imports that arrive during a step wait.
@@ -192,7 +190,7 @@ class SimWorker:
         streamed = sum(1 for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens)
         dt = self.profile.step_time(rows) + self.router_step_s + self.token_s * streamed
         if prefill_stepping:
-            dt += self.beside_prefill[0] + self.beside_prefill[1] * len(rows)
+            dt += self.beside_prefill * len(rows)
         if any(n > 1 for n in batch.num_new_tokens):
             if peer_stepping:  # the engine's part only, as plan/host.py fit_peer_chunks measures it
                 dt += self.chunk_ratio * self.profile.cost.step_time(rows)
@@ -315,7 +313,7 @@ class Simulation:
         slowed = self.profile.interference_step_s and worker.role == "prefill"
         others = sum(w.stream_rate for w in self.workers if w is not worker) if slowed else 0.0
         stepping = worker.chunk_ratio > 0 and any(w.batch is not None for w in self.workers if w is not worker)
-        prefilling = any(worker.beside_prefill) and any(w.batch is not None for w in self.prefill)
+        prefilling = worker.beside_prefill > 0 and any(w.batch is not None for w in self.prefill)
         dt = worker.start_step(others, stepping, prefilling)
         if dt is not None:
             self._push(now + dt, _STEP_DONE, worker)
