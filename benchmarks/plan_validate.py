@@ -288,7 +288,7 @@ def calibrated_profile(bare: Profile, calibrated: dict[str, list[Path]], a: argp
 def rejudge(src: Path, bare: Profile, a: argparse.Namespace) -> tuple[Profile, list[tuple[str, list[Path]]]]:
     """An earlier run's measurements in `src`: `bare` calibrated on all its calibration runs, and each
     set-up's judged sweeps (the bench folders {name}-r{i})."""
-    # A burst is calibrated on only where BURST says so (run 29 also ran one for the split fleet's trace).
+    # A burst is calibrated on only where BURST says so (runs 29 and 31 on ran one for the split fleet too).
     calibrated = {name: [f for f in (src / f"calibration-{name}", src / f"calibration-{name}-loaded",
                                      src / f"calibration-{name}-open", src / f"calibration-{name}-rows",
                                      *([src / f"calibration-{name}-burst"] if name in BURST else []))

@@ -35,8 +35,9 @@ each a least-squares fit of a constant or a line to a few measured `bench serve`
    It slows only a split fleet's prefill worker (plan/simulator.py), so the router terms are fitted once,
    before it (until 2026-12-06 it slowed a colocated cluster's prefills too and the two were fitted in
    turn, three rounds). Before both, given its workers' step traces, split_decode_row_s: what its decode
-   worker's steps cost per row beside a prefill worker's step beyond steps of as many rows without one (plan/host.py fit_split_decode); its calibration needs a run with many rows per
-   decode step for that (a burst above its knee).
+   worker's steps cost per row beside a prefill worker's step beyond steps of as many rows without one
+   (plan/host.py fit_split_decode); its calibration needs runs with many rows per decode step for that
+   (plan_validate.py: concurrency 16 and a burst above its knee, neither used for the TTFT fits).
 Every term is clipped at 0 (a faster-than-simulated measurement means no such cost, not a negative one).
 Calibrate on points you will not judge the simulation by, then compare at others.
 """
@@ -241,8 +242,8 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     traces over its calibration runs) router_step_s and router_token_s are their decode steps' cost beyond
     the single server's per-step and per-row terms (host.fit_router_excess), not the loaded TPOT gap. With
     `split_step_traces` (the split fleet's workers' traces over its calibration runs, in `cluster
-    --step-trace-dir`'s order: its decode workers, then its prefill workers) split_decode_row_s is fitted (host.fit_split_decode)
-    before the handoff and the interference."""
+    --step-trace-dir`'s order: its decode workers, then its prefill workers) split_decode_row_s is fitted
+    (host.fit_split_decode) before the handoff and the interference."""
     points = [pt for folder in folders for pt in bench_points(folder) if pt[0].get("tpot_s_median") is not None]
     need = 1 if step_traces else 2
     if len(points) < need:

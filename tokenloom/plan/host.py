@@ -229,7 +229,8 @@ def fit_split_decode(attributed: pd.DataFrame, prefill_traces: Collection[str], 
     is not a line in the rows, out of row_s: on the 2-core Xeon the judged runs of plan validation runs
     28-31 gave 0.29-0.31 ms per row this way each time, where a plane in (1, rows, busy, busy x rows) gave
     0.19-0.96 over their calibration runs, and a line through the origin 0.02-0.27 (the own mismatch is
-    negative from 2 to 8 rows). A per-step and per-token cost of the decode worker's own, fitted from the
+    negative from 2 to 8 rows); over calibration runs with a 16-row closed loop and a burst, 0.13 and 0.30
+    (runs 32 and 33). A per-step and per-token cost of the decode worker's own, fitted from the
     same traces in run 29, priced its light-load TPOT 18-25% high."""
     busy = peer_busy(attributed, prefill_traces)
     mine = (~attributed["trace"].isin(list(prefill_traces)) & attributed["decode_only"]).to_numpy(bool)
