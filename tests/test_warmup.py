@@ -63,13 +63,17 @@ def test_health_waits_for_warm_up_and_then_requests_are_served(tiny_llama: Path,
             if time.monotonic() > deadline:
                 pytest.fail(f"never healthy: {log_path.read_text()[-2000:]}")
             time.sleep(0.05)
-        # The server listens only after warm-up: its line is already in the log when /health first answers.
-        assert "warm-up: " in log_path.read_text()
+        # The server listens only after warm-up, the engine's and one request through the app (serve/warmup.py):
+        # their lines are already in the log when /health first answers.
+        log_text = log_path.read_text()
+        assert "warm-up: " in log_text and "warm-up: one request through the app" in log_text
         r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4,
                                                       "ignore_eos": True}, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
                                      "prompt_tokens_details": {"cached_tokens": 0}}
+        # The app's warm-up request left no access-log line: this request's is the only one.
+        assert log_path.read_text().count('"path": "/v1/completions"') == 1, log_path.read_text()[-2000:]
         # Warm-up's counters were reset: the metrics count this one request's prompt, not warm-up's.
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         assert _sample(metrics, "tokenloom:prompt_tokens_total") == 3, metrics

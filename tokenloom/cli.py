@@ -30,6 +30,7 @@ from tokenloom.serve.reasoning import REASONING_PARSERS
 from tokenloom.serve.tool_parsers import TOOL_PARSERS
 from tokenloom.serve.metrics import ServingMetrics
 from tokenloom.serve.server import run_app
+from tokenloom.serve.warmup import warm_up_app
 
 __all__ = ["add_engine_args", "build_parser", "engine_config", "main"]
 
@@ -111,6 +112,12 @@ def _serve(args: argparse.Namespace) -> int:
                     args.max_request_bytes, args.tool_call_parser, args.reasoning_parser)
     app.state.kv_secret = kv_secret  # serve/kv_api.py signs its sends with it
     app.state.api_key = args.api_key  # without one, only a --role prefill worker serves /internal/kv/prefill
+    if args.warmup and args.role == "both":  # the serving path's one-off costs too (serve/warmup.py)
+        try:
+            print(f"warm-up: one request through the app, {warm_up_app(app, args.api_key):.2f} s", file=sys.stderr)
+        except BaseException:
+            engine.shutdown()
+            raise
     try:
         run_app(app, args.host, args.port, args.graceful_timeout, args.verbose)
     finally:

@@ -74,13 +74,18 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
         for i in range(rows):
             engine.add_request(tokens(prompt_len, i + 1), greedy(2), request_id=f"warmup-decode-{rows}-{i}")
         steps += _drain(engine)
+    reset_counters(engine)
+    return WarmupReport(time.monotonic() - start, prefill, batch, steps)
+
+
+def reset_counters(engine: LLMEngine) -> None:
+    """Empty the prefix cache of warm-up's prompts and start users' counters at zero: the engine's, the
+    prefix cache's (else /metrics' hit rate would count warm-up's thousands of looked-up prompt tokens) and
+    the scheduler's preemptions. On the engine's thread, with the engine idle."""
     engine.reset_prefix_cache()
-    # Users' counters start at zero: the engine's, the prefix cache's (else /metrics' hit rate would count
-    # warm-up's thousands of looked-up prompt tokens) and the scheduler's preemptions.
     engine.stats = EngineStats()
     engine.kv.stats = PrefixCacheStats()
     engine.scheduler.num_preemptions = 0
-    return WarmupReport(time.monotonic() - start, prefill, batch, steps)
 
 
 def decode_batch_sizes(largest: int) -> list[int]:
