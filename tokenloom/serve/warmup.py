@@ -21,12 +21,13 @@ from fastapi import FastAPI
 
 from tokenloom.engine.warmup import reset_counters
 
-_PROMPT = "The quick brown fox jumps over the lazy dog while the server warms its serving path."
+# A few tokens and one output token: it fits any --max-model-len a model can be served with.
+_PROMPT = "Hello"
 
 
 async def _one_request(app: FastAPI, api_key: str | None) -> None:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    body = {"model": app.state.model_name, "prompt": _PROMPT, "max_tokens": 2, "stream": True}
+    body = {"model": app.state.model_name, "prompt": _PROMPT, "max_tokens": 1, "stream": True}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://warm-up",
                                  timeout=300) as client:
         async with client.stream("POST", "/v1/completions", headers=headers, json=body) as r:
