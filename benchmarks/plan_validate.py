@@ -304,8 +304,8 @@ def rejudge(src: Path, bare: Profile, a: argparse.Namespace) -> tuple[Profile, l
     for name, key in TRACE_KEY.items():
         workers = worker_traces(src, f"step-trace-calibration-{name}-worker-*.csv")
         # Runs 28 and 30 traced the split fleet without a burst: its fit would have no many-row step.
-        burst = any(f.name.endswith(("-burst", "-rows")) for f in calibrated.get(name, []))
-        if workers and name in calibrated and not a.no_step_trace and (burst or name != "split-1P1D"):
+        many_rows = any(f.name.endswith(("-burst", "-rows")) for f in calibrated.get(name, []))
+        if workers and name in calibrated and not a.no_step_trace and (many_rows or name != "split-1P1D"):
             calibrated[key] = workers
     return (bare if a.no_calibrate else calibrated_profile(bare, calibrated, a)), measured
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from router_helpers import samples
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.engine import LLMEngine
@@ -75,18 +76,10 @@ def test_health_waits_for_warm_up_and_then_requests_are_served(tiny_llama: Path,
         # The app's warm-up request left no access-log line: this request's is the only one.
         assert log_path.read_text().count('"path": "/v1/completions"') == 1, log_path.read_text()[-2000:]
         # Warm-up's counters were reset: the metrics count this one request's prompt, not warm-up's.
-        metrics = httpx.get(f"{url}/metrics", timeout=10).text
-        assert _sample(metrics, "tokenloom:prompt_tokens_total") == 3, metrics
-        assert _sample(metrics, "tokenloom:prefix_cache_queries_total") <= 3, metrics
-        assert _sample(metrics, "tokenloom:prefix_cache_hits_total") == 0, metrics
+        metrics = samples(httpx.get(f"{url}/metrics", timeout=10).text)
+        assert metrics["tokenloom:prompt_tokens_total{model_name=tiny}"] == 3, metrics
+        assert metrics["tokenloom:prefix_cache_queries_total{model_name=tiny}"] <= 3, metrics
+        assert metrics["tokenloom:prefix_cache_hits_total{model_name=tiny}"] == 0, metrics
     finally:
         proc.terminate()
         proc.wait(30)
-
-
-def _sample(text: str, name: str) -> float:
-    """The value of one unlabelled sample in a Prometheus text exposition."""
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)

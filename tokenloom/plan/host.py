@@ -90,6 +90,14 @@ def fit_overheads(attributed: pd.DataFrame) -> HostFit:
     return HostFit(float(x[0]), float(x[1]), len(dec), float(np.median(np.abs(a @ x - b))))
 
 
+def uncharged(attributed: pd.DataFrame, step_s: float, row_s: float, router_step_s: float = 0.0,
+              token_s: float = 0.0) -> np.ndarray:
+    """Per traced step, its overhead (served - predicted) beyond the terms the simulator already charges
+    it: step_s + row_s x rows (the single server's), router_step_s, token_s x streamed tokens."""
+    return (attributed["overhead"].to_numpy(float) - step_s - row_s * attributed["num_rows"].to_numpy(float)
+            - router_step_s - token_s * attributed["streamed"].to_numpy(float))
+
+
 @dataclass(frozen=True)
 class RouterFit:
     step_s: float  # per step of a worker behind the router, beyond the single server's overhead
@@ -123,7 +131,7 @@ def fit_router_excess(attributed: pd.DataFrame, step_s: float, row_s: float) -> 
         raise ConfigError(f"fitting the router's cost needs traced decode steps streaming different numbers of "
                           f"tokens (a light and a loaded run), got {len(dec)} steps streaming "
                           f"{sorted(set(tokens.astype(int).tolist()))[:8]}")
-    excess = dec["overhead"].to_numpy(float) - (step_s + row_s * dec["num_rows"].to_numpy(float))
+    excess = uncharged(dec, step_s, row_s)
     a = np.column_stack([np.ones(len(dec)), tokens])
     x = nnls(a, excess)
     return RouterFit(float(x[0]), float(x[1]), len(dec), int(tokens.sum()), float(np.median(np.abs(a @ x - excess))))
@@ -197,8 +205,7 @@ def fit_peer_chunks(attributed: pd.DataFrame, step_s: float, row_s: float, route
     if not (busy[chunk] > 0).any():  # nothing measured beside another worker (one worker's trace): no charge
         return PeerChunkFit(0.0, 0, 0.0)
     df = attributed[chunk]
-    excess = (df["overhead"].to_numpy(float) - step_s - row_s * df["num_rows"].to_numpy(float) - router_step_s
-              - router_token_s * df["streamed"].to_numpy(float))
+    excess = uncharged(df, step_s, row_s, router_step_s, router_token_s)
     x = df["predicted"].to_numpy(float) * busy[chunk]
     ratio = max(0.0, float(x @ excess / (x @ x)))
     return PeerChunkFit(ratio, len(df), float(busy[chunk].mean()))
@@ -241,8 +248,7 @@ def fit_split_decode(attributed: pd.DataFrame, prefill_traces: Collection[str], 
     if not keep.any():
         return SplitDecodeFit(0.0, len(df), 0)
     rows, b = rows[keep], b[keep]
-    excess = (df["overhead"].to_numpy(float)[keep] - step_s - row_s * rows
-              - token_s * df["streamed"].to_numpy(float)[keep])
+    excess = uncharged(df, step_s, row_s, token_s=token_s)[keep]
     counts = np.unique(rows)
     a = np.column_stack([(rows[:, None] == counts[None, :]).astype(float), b * rows])
     x, *_ = np.linalg.lstsq(a, excess, rcond=None)
