@@ -53,6 +53,28 @@ def test_answers_the_capital_of_france(ours: LLM) -> None:
     assert out[0].outputs[0].finish_reason == "stop"  # ends on <|im_end|> by itself
 
 
+@pytest.mark.parametrize("backend", ["cpu", "sdpa", "reference"])
+def test_a_prefix_cache_hit_answers_as_transformers_does(smollm2_gguf: Path, reference: transformers.PreTrainedModel,
+                                                         backend: str) -> None:
+    """The same chat twice: the second prompt's first 32 tokens (two 16-token blocks) come from the prefix cache
+    and 5 are computed, a chunk after a cached block-aligned prefix through each attention backend. In float32
+    both answers are transformers' ids. (In bfloat16 the two can differ where two tokens nearly tie: the first
+    token here leads by 0.08 logits in float32, less than bfloat16's rounding over 30 layers moves it when a
+    prefill computes 5 rows instead of 37; docs/performance-notes.md, "Reproducibility".)"""
+    llm = LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory="64MiB", max_model_len=256, block_size=16,
+              attention_backend=backend)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = llm.tokenizer.encode_chat(chat)
+    assert len(ids) == 37
+    with torch.no_grad():
+        want, _ = hf_greedy_ids(reference, ids, 12)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first, second = (llm.generate([ids], params)[0] for _ in range(2))
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 32)
+    assert first.outputs[0].token_ids == want
+    assert second.outputs[0].token_ids == want
+
+
 def test_bfloat16_default_answers_too(smollm2_gguf: Path) -> None:
     llm = LLM(kv_cache_memory="64MiB", max_model_len=512)  # the embedded default, bfloat16
     assert llm.engine.loaded.dtype is torch.bfloat16 and llm.engine.model_name == "SmolLM2-135M-Instruct"
