@@ -98,6 +98,8 @@ class EngineConfig:
     # CPU, bfloat16: also hold each dense linear weight in oneDNN's blocked layout, for matmuls of 2-256
     # rows (batched decode, verification); costs a second copy of those weights.
     prepack_weights: bool = True
+    # CPU: the weights copied onto 2 MiB pages after loading (Linux transparent huge pages; engine/huge_pages.py)
+    huge_pages: bool = True
     quantization: Quantization | None = None  # None: full-precision weights
     quant_group_size: int = 128  # int4 group size (a smaller supported one where it does not divide a layer)
     # Quantized matmuls (CPU): the kernels that read the codes (int8 activations by VNNI; on AMX CPUs the

@@ -48,6 +48,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("prepack_weights", "cpu, bfloat16: keep a oneDNN-blocked copy of each dense linear weight for "
                                   "matmuls of 2-256 rows (batched decode, verification: AMX where the CPU has "
                                   "it); a second copy of those weights"),
+    EngineFlag("huge_pages", "cpu, Linux: move the weights onto 2 MiB pages after loading (transparent huge "
+                             "pages, madvise), for the memory-bound decode step; no effect where the kernel's "
+                             "THP mode is never"),
     EngineFlag("quantization", "weight-only quantization of the decoder's linear layers at load (CPU, bfloat16)"),
     EngineFlag("quant_group_size", "int4 group size"),
     EngineFlag("quant_tile_max_rows", "quantized weights (cpu): the kernels that read the codes (int8 "

@@ -18,6 +18,7 @@ from tokenloom.attention.cpu import CPUBackend
 from tokenloom.attention.registry import get_backend
 from tokenloom.config import EngineConfig
 from tokenloom.engine.fused_decode import build_fused_decoder
+from tokenloom.engine.huge_pages import huge_pages_usable, move_to_huge_pages
 from tokenloom.engine.kv_cache import (KVCacheSpec, KVCapacity, allocate_kv_cache, free_memory_bytes, kv_groups,
                                        plan_capacity)
 from tokenloom.engine.kv_cache_manager import KVCacheManager
@@ -78,6 +79,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         n = quantize_model(loaded.model, config.quantization, config.quant_group_size)
         log.info("quantized %d linear layers to %s", n, config.quantization)
     routing, dense = _attach_cpu_kernels(config, loaded, backend, device)  # after quantizing: quantized layers too
+    _huge_pages(config, loaded, device)  # before the decode stack and the KV calibration take the weights
     mcfg = loaded.config
     max_model_len = config.max_model_len or mcfg.max_position_embeddings
     if max_model_len > mcfg.max_position_embeddings and mcfg.rope_scaling.kind in ("default", "dynamic"):
@@ -169,6 +171,19 @@ def _prepack(config: EngineConfig, loaded: LoadedModel, device: torch.device) ->
     return True
 
 
+def _huge_pages(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
+    """--huge-pages (CPU): the model's weights onto 2 MiB pages (engine/huge_pages.py), logged."""
+    if not config.huge_pages or device.type != "cpu":
+        return
+    why = huge_pages_usable()
+    if why is not None:
+        log.info("weights stay on small pages: %s", why)
+        return
+    t0 = time.perf_counter()
+    moved = move_to_huge_pages(loaded.model)
+    log.info("%s's weights on huge pages: %s (%.2fs)", loaded.name, moved.describe(), time.perf_counter() - t0)
+
+
 def _calibrate(config: EngineConfig, target: LoadedModel, model: LlamaForCausalLM, backend: AttentionBackend,
                device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-head INT8 KV scales of `model` (engine/kv_calibration.py): one prefill at start-up, on prompts
@@ -193,6 +208,7 @@ def _load_draft(config: EngineConfig, target: LoadedModel, device: torch.device,
         return None
     draft = load_model(config.draft_model, config.dtype, device, backend, max_model_len, config.gguf_weights)
     _attach_cpu_kernels(config, draft, backend, device)
+    _huge_pages(config, draft, device)
     if draft.config.vocab_size != mcfg.vocab_size:
         raise ConfigError(f"--draft-model vocabulary ({draft.config.vocab_size}) differs from the target's "
                           f"({mcfg.vocab_size}); a draft must share the target's tokenizer")
