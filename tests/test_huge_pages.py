@@ -29,6 +29,10 @@ class Tied(nn.Module):
         self.register_buffer("table", torch.arange(24, dtype=torch.float32).view(4, 6))
         self.register_buffer("empty", torch.empty(0))
         self.register_buffer("absent", None)
+        shared = torch.linspace(0, 1, 64)  # one tensor registered in two modules (as a shared table would be)
+        self.norm_a, self.norm_b = nn.Module(), nn.Module()
+        self.norm_a.register_buffer("scale", shared)
+        self.norm_b.register_buffer("scale", shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.proj(self.embed(x))[..., :64] * self.table.sum())
@@ -63,18 +67,20 @@ def test_move_keeps_values_and_ties_and_puts_every_weight_in_one_mapping() -> No
     x = torch.randint(0, 1000, (3, 5))
     want = m(x)
     moved = move_to_huge_pages(m)
-    # embed/head (one tensor), proj weight and bias, table; the empty buffer and the None one are left alone
-    assert (moved.tensors, moved.nbytes) == (4, (1000 * 64 + 96 * 64 + 96 + 24) * 4)
+    # embed/head (one tensor), proj weight and bias, table, the shared scale; the empty buffer and the None
+    # one are left alone
+    assert (moved.tensors, moved.nbytes) == (5, (1000 * 64 + 96 * 64 + 96 + 24 + 64) * 4)
     assert m.embed.weight is embed_param and m.head.weight is m.embed.weight  # the same Parameter, still tied
+    assert m.norm_a.scale is m.norm_b.scale  # the shared buffer: one copy, both holders on it
     for k, v in m.state_dict().items():
         assert torch.equal(v, before[k]), k
-    ptrs = sorted(t.data_ptr() for t in (m.embed.weight, m.proj.weight, m.proj.bias, m.table))
+    ptrs = sorted(t.data_ptr() for t in (m.embed.weight, m.proj.weight, m.proj.bias, m.table, m.norm_a.scale))
     assert ptrs[0] % HUGE_PAGE == 0 and ptrs[-1] - ptrs[0] < HUGE_PAGE  # packed from the mapping's 2 MiB boundary
     assert all(p % 64 == 0 for p in ptrs)
     assert torch.equal(m(x), want)
     # The kernel gave the touched 2 MiB page as a huge page (THP mode always or madvise, as checked above)
     assert moved.huge_bytes >= HUGE_PAGE
-    assert "4 weight tensors" in moved.describe()
+    assert "5 weight tensors" in moved.describe()
 
 
 def test_nothing_to_move() -> None:

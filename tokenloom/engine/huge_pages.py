@@ -2,7 +2,7 @@
 
 A decode step of one or a few rows streams every weight once and does little arithmetic on it, so it runs
 at the speed the memory delivers the weights. On 4 KiB pages that stream crosses a page every 4 KiB, and
-each new page is a TLB miss the hardware prefetchers do not run ahead of; on 2 MiB pages it crosses one
+the hardware prefetchers stop at each page boundary, where a TLB miss waits; on 2 MiB pages that happens
 every 2 MiB. Measured on a 2-core AMD EPYC (Zen 4): SmolLM2's 30 layers of linears for one row, Q4_1 codes
 2.9-3.2 ms on 4 KiB pages against 2.3-2.7 ms on 2 MiB pages, bf16 6.0-7.4 against 5.3-7.1 ms
 (docs/performance-notes.md, "Weights on huge pages").
@@ -18,7 +18,6 @@ oneDNN's prepacked copies (opaque tensors oneDNN allocates itself) are not moved
 from __future__ import annotations
 
 import ctypes
-import logging
 import mmap
 import re
 import sys
@@ -27,8 +26,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-
-log = logging.getLogger("tokenloom.engine")
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
 ALIGN = 64  # each tensor's start in the arena: a cache line (the kernels' vector loads)
@@ -76,19 +73,26 @@ def _movable(t: torch.Tensor | None) -> bool:
             and t.numel() > 0 and t.is_contiguous())
 
 
-def _slots(modules: list[nn.Module]) -> list[tuple[nn.Module, str, bool, torch.Tensor]]:
-    """Every movable parameter and buffer once: (module, name, is_parameter, tensor). A parameter tied to
-    several modules (embeddings and LM head) is one object, moved once, through the first module seen."""
-    seen: set[int] = set()
-    out: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
+@dataclass
+class _Slot:
+    """One tensor to move and every (module, name) that holds it."""
+
+    tensor: torch.Tensor
+    is_param: bool
+    owners: list[tuple[nn.Module, str]]
+
+
+def _slots(modules: list[nn.Module]) -> list[_Slot]:
+    """Every movable parameter and buffer once, with all its owners: a parameter tied to several modules
+    (embeddings and LM head) or a buffer registered in several is one tensor object, moved once."""
+    by_id: dict[int, _Slot] = {}
     for root in modules:
         for mod in root.modules():
             for is_param, table in ((True, mod._parameters), (False, mod._buffers)):
                 for name, t in table.items():
-                    if _movable(t) and id(t) not in seen:
-                        seen.add(id(t))
-                        out.append((mod, name, is_param, t))
-    return out
+                    if _movable(t):
+                        by_id.setdefault(id(t), _Slot(t, is_param, [])).owners.append((mod, name))
+    return list(by_id.values())
 
 
 def _round_up(n: int, to: int) -> int:
@@ -98,33 +102,35 @@ def _round_up(n: int, to: int) -> int:
 def move_to_huge_pages(*modules: nn.Module) -> Moved:
     """Copy the modules' weights into one huge-page mapping (see the module docstring); returns what moved.
 
-    Buffers shared by several modules stay shared only if they are one tensor object (as registered
-    parameters tied by assignment are); two modules holding different tensor objects over one storage would
-    each get its own copy, which this codebase's models do not do."""
+    A tensor object held by several modules stays one (moved once, every holder pointed at the copy); two
+    different tensor objects over one storage (views) would each get their own copy, which this codebase's
+    models do not have."""
     count, nbytes, arena_start = _copy_into_arena(_slots(list(modules)))
     _trim_heap()  # after _copy_into_arena returned: nothing refers to the old tensors any more
     return Moved(count, nbytes, anon_huge_bytes(arena_start) if count else 0)
 
 
-def _copy_into_arena(slots: list[tuple[nn.Module, str, bool, torch.Tensor]]) -> tuple[int, int, int]:
+def _copy_into_arena(slots: list[_Slot]) -> tuple[int, int, int]:
     """The slots' tensors copied into a new mapping and their modules pointed at the copies: (tensors, bytes,
     the address of the arena's first 2 MiB boundary)."""
     if not slots:
         return 0, 0, 0
-    sizes = [t.numel() * t.element_size() for _, _, _, t in slots]
+    sizes = [s.tensor.numel() * s.tensor.element_size() for s in slots]
     total = sum(_round_up(n, ALIGN) for n in sizes)
     arena = mmap.mmap(-1, _round_up(total, HUGE_PAGE) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     arena.madvise(mmap.MADV_HUGEPAGE)  # before any page is touched: each first touch then faults in 2 MiB
     raw = torch.frombuffer(arena, dtype=torch.uint8)  # keeps `arena` alive as long as any view of it lives
     start = (-raw.data_ptr()) % HUGE_PAGE  # the first 2 MiB boundary: the pages before it could only be small
     off = start
-    for (mod, name, is_param, t), n in zip(slots, sizes):
-        new = raw[off:off + n].view(t.dtype).view(t.shape)
-        new.copy_(t)
-        if is_param:
-            mod._parameters[name].data = new  # the same Parameter object: ties and references stay valid
+    for slot, n in zip(slots, sizes):
+        new = raw[off:off + n].view(slot.tensor.dtype).view(slot.tensor.shape)
+        new.copy_(slot.tensor)
+        if slot.is_param:
+            slot.tensor.data = new  # the same Parameter object in every holder: ties and references stay valid
         else:
-            mod._buffers[name] = new
+            for mod, name in slot.owners:
+                mod._buffers[name] = new
+            slot.tensor = new  # the last reference to the old buffer: freed now, not after the loop
         off += _round_up(n, ALIGN)
     return len(slots), sum(sizes), raw.data_ptr() + start
 
