@@ -82,6 +82,15 @@ def test_build_name_follows_sources_and_flags(tmp_path: Path) -> None:
     assert build_name(CSRC, ["-O2"]) != build_name(CSRC, ["-O3"])
 
 
+def test_build_name_follows_the_torch_installation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another virtual environment's torch (its include folders are in every compile command) builds in its
+    own folder, so that two environments on one machine do not rebuild one folder in turn."""
+    here = build_name()
+    assert kernels._torch_includes() and all(f.startswith("-isystem") for f in kernels._torch_includes())
+    monkeypatch.setattr(kernels, "_torch_includes", lambda: ["-isystem/other/venv/torch/include"])
+    assert build_name() != here
+
+
 def test_stale_lock_in_the_real_build_dir_does_not_hang(tmp_path: Path) -> None:
     """End to end, when the build already exists (no 2-minute compile here): a stale torch `lock`
     in the build folder is removed and the load returns the module."""

@@ -77,10 +77,21 @@ def source_hash(csrc: Path, flags: Sequence[str]) -> str:
 
 
 def build_name(csrc: Path = _CSRC, flags: Sequence[str] | None = None) -> str:
-    """The extension's name, hence its build folder: the sources' and flags' hash, then the shared
-    limits' tag (a build made from other sources or with other values is never reused)."""
+    """The extension's name, hence its build folder: the sources', flags' and torch installation's hash,
+    then the shared limits' tag (a build made from other sources or with other values is never reused).
+
+    The torch installation counts because torch puts its include folders in every compile command: two
+    virtual environments sharing one build folder (a CI clone beside a working checkout) made ninja see
+    changed commands and rebuild it in turn, each rebuild holding the build lock for minutes while the
+    other side's servers waited for it."""
     flags = [*_cflags(), *_LDFLAGS] if flags is None else flags
-    return f"tokenloom_cpu_kernels_{source_hash(csrc, flags)}_{build_tag()}"
+    return f"tokenloom_cpu_kernels_{source_hash(csrc, [*flags, *_torch_includes()])}_{build_tag()}"
+
+
+def _torch_includes() -> list[str]:
+    from torch.utils.cpp_extension import include_paths
+
+    return ["-isystem" + p for p in include_paths()]
 
 
 def extensions_root() -> Path:
