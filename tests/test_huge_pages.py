@@ -99,6 +99,7 @@ def test_engine_tokens_and_logprobs_do_not_change(tiny_llama: Path, caplog: pyte
                       quantization="int4", quant_group_size=32, huge_pages=huge)
         logged = any("on huge pages" in r.getMessage() for r in caplog.records)
         assert logged is huge
+        assert (llm.engine.huge_pages is not None and llm.engine.huge_pages.tensors > 0) is huge
         quant = [m for m in llm.engine.loaded.model.modules() if isinstance(m, QuantLinear)]
         assert quant
         if huge:  # the quantized layers' codes and scales moved too

@@ -15,6 +15,7 @@ from router_helpers import samples
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.engine import LLMEngine
+from tokenloom.engine.huge_pages import huge_pages_usable
 from tokenloom.engine.warmup import decode_batch_sizes, warm_up
 from tokenloom.netutil import free_port
 
@@ -68,6 +69,8 @@ def test_health_waits_for_warm_up_and_then_requests_are_served(tiny_llama: Path,
         # their lines are already in the log when /health first answers.
         log_text = log_path.read_text()
         assert "warm-up: " in log_text and "warm-up: one request through the app" in log_text
+        # The start-up report says where the weights went (engine/huge_pages.py), as it does the routing
+        assert ("weights on huge pages: " in log_text) is (huge_pages_usable() is None), log_text[-2000:]
         r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4,
                                                       "ignore_eos": True}, timeout=60)
         assert r.status_code == 200, r.text

@@ -93,6 +93,8 @@ def _serve(args: argparse.Namespace) -> int:
     for routing in (core.quant_routing, core.dense_routing):
         if routing is not None:
             print(routing.describe(), file=sys.stderr)
+    if core.huge_pages is not None:
+        print(f"weights on huge pages: {core.huge_pages.describe()}", file=sys.stderr)
     if args.warmup:  # before the server listens: /health is unreachable until the first request would be fast
         print(engine.call_soon(warm_up).result().describe(), file=sys.stderr)
     logging.getLogger("tokenloom.access").setLevel(logging.INFO)  # one JSON line per request, on stderr

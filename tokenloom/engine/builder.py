@@ -18,7 +18,7 @@ from tokenloom.attention.cpu import CPUBackend
 from tokenloom.attention.registry import get_backend
 from tokenloom.config import EngineConfig
 from tokenloom.engine.fused_decode import build_fused_decoder
-from tokenloom.engine.huge_pages import huge_pages_usable, move_to_huge_pages
+from tokenloom.engine.huge_pages import Moved, huge_pages_usable, move_to_huge_pages
 from tokenloom.engine.kv_cache import (KVCacheSpec, KVCapacity, allocate_kv_cache, free_memory_bytes, kv_groups,
                                        plan_capacity)
 from tokenloom.engine.kv_cache_manager import KVCacheManager
@@ -58,6 +58,7 @@ class EngineParts:
     proposer: Proposer | None
     quant_routing: QuantRouting | None = None  # the quantized matmuls' start-up crossover (quantized models on CPU)
     dense_routing: DenseRouting | None = None  # where the skinny kernel hands rows to prepacked weights (CPU)
+    huge_pages: Moved | None = None  # the target's weights moved onto 2 MiB pages (None: not moved)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -79,7 +80,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         n = quantize_model(loaded.model, config.quantization, config.quant_group_size)
         log.info("quantized %d linear layers to %s", n, config.quantization)
     routing, dense = _attach_cpu_kernels(config, loaded, backend, device)  # after quantizing: quantized layers too
-    _huge_pages(config, loaded, device)  # before the decode stack and the KV calibration take the weights
+    moved = _huge_pages(config, loaded, device)  # before the decode stack and the KV calibration take the weights
     mcfg = loaded.config
     max_model_len = config.max_model_len or mcfg.max_position_embeddings
     if max_model_len > mcfg.max_position_embeddings and mcfg.rope_scaling.kind in ("default", "dynamic"):
@@ -126,7 +127,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         loaded.name, mcfg.architecture, str(loaded.dtype).removeprefix("torch."),
         loaded.load_seconds, device, capacity.describe(),
     )
-    return EngineParts(device, backend, loaded, max_model_len, capacity, kv, runner, sampler, proposer, routing, dense)
+    return EngineParts(device, backend, loaded, max_model_len, capacity, kv, runner, sampler, proposer, routing, dense,
+                       moved)
 
 
 def _attach_cpu_kernels(config: EngineConfig, loaded: LoadedModel, backend: AttentionBackend,
@@ -171,17 +173,18 @@ def _prepack(config: EngineConfig, loaded: LoadedModel, device: torch.device) ->
     return True
 
 
-def _huge_pages(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> None:
-    """--huge-pages (CPU): the model's weights onto 2 MiB pages (engine/huge_pages.py), logged."""
+def _huge_pages(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> Moved | None:
+    """--huge-pages (CPU): the model's weights onto 2 MiB pages (engine/huge_pages.py), logged; what moved."""
     if not config.huge_pages or device.type != "cpu":
-        return
+        return None
     why = huge_pages_usable()
     if why is not None:
         log.info("weights stay on small pages: %s", why)
-        return
+        return None
     t0 = time.perf_counter()
     moved = move_to_huge_pages(loaded.model)
     log.info("%s's weights on huge pages: %s (%.2fs)", loaded.name, moved.describe(), time.perf_counter() - t0)
+    return moved
 
 
 def _calibrate(config: EngineConfig, target: LoadedModel, model: LlamaForCausalLM, backend: AttentionBackend,

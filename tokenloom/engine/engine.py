@@ -57,6 +57,7 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.capacity, self.kv, self.runner = parts.capacity, parts.kv, parts.runner
         self.quant_routing, self.dense_routing = parts.quant_routing, parts.dense_routing
+        self.huge_pages = parts.huge_pages  # the weights moved onto 2 MiB pages (None: not moved)
         self.sampler, self.proposer = parts.sampler, parts.proposer
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
