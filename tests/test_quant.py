@@ -129,7 +129,7 @@ def _few_rows_int8_oracle(lin: Int8Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.skipif(load_quant_kernels() is None, reason="needs the AVX512 quantized kernels")
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])  # 1-3: weight rows one after another; 4-8: interleaved
 @pytest.mark.parametrize("case", ["per-row", "per-32"])
 def test_few_row_int8_kernel_quantizes_x_per_64_inputs(rows: int, case: str) -> None:
     """The few-row int8 path multiplies int8 x by int8 codes (vpdpbusd): it must match the oracle of

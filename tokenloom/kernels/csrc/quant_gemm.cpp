@@ -112,6 +112,13 @@ inline __m512i codes_u8(const uint8_t* row, int64_t c) {
 // vpdpbusd, int32 lane j summing positions 4j..4j+3 (block j % 2), made float and times dx, then scaled
 // into the row's accumulator by the chunk's weight scales (with g = 32 a vector holding each lane's block
 // scale; one scale per row is applied at the end instead). NR rows at once share the horizontal sums.
+// M <= 3: the NR weight rows one after another, so that W streams in address order for the hardware
+// prefetcher (as skinny_gemm.cpp's few rows do), no software prefetch. Interleaved, with the prefetch, one
+// row of x ran at half the bf16 kernel's bytes per second out of cache; from 4 rows of x interleaving
+// wins again (docs/performance-notes.md#quantized-matmul).
+template <int M>
+constexpr bool kSequentialInt8 = M <= 3;
+
 template <int M, int NR, int MODE>
 __attribute__((always_inline)) inline void dot_rows(const QWeight& w, int64_t n0, const QX& x, float (*out)[M]) {
   const int64_t nchunks = x.nchunks;
@@ -129,7 +136,8 @@ __attribute__((always_inline)) inline void dot_rows(const QWeight& w, int64_t n0
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
   }
   auto chunk = [&](int64_t c, int r, __m512 dw) __attribute__((always_inline)) {
-    _mm_prefetch(reinterpret_cast<const char*>(rows[r] + kPrefetchSteps * NR * w.row_bytes + c * 64), _MM_HINT_T0);
+    if constexpr (!kSequentialInt8<M>)
+      _mm_prefetch(reinterpret_cast<const char*>(rows[r] + kPrefetchSteps * NR * w.row_bytes + c * 64), _MM_HINT_T0);
     const __m512i u = codes_u8(rows[r], c);
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
@@ -139,13 +147,20 @@ __attribute__((always_inline)) inline void dot_rows(const QWeight& w, int64_t n0
       acc[r][m] = _mm512_fmadd_ps(dot, MODE == kPerRow ? dx : _mm512_mul_ps(dw, dx), acc[r][m]);
     }
   };
-  for (int64_t c = 0; c < full; ++c) {
+  auto weight_scale = [&](int64_t c, int r) __attribute__((always_inline)) {
+    __m512 dw = _mm512_setzero_ps();
+    if constexpr (MODE == kPairs) dw = scale_pair(ds[r] + 2 * c);
+    if constexpr (MODE == kGroups) dw = scale_all(ds[r] + (c >> shift));
+    return dw;
+  };
+  if constexpr (kSequentialInt8<M>) {
 #pragma GCC unroll 4
-    for (int r = 0; r < NR; ++r) {
-      __m512 dw = _mm512_setzero_ps();
-      if constexpr (MODE == kPairs) dw = scale_pair(ds[r] + 2 * c);
-      if constexpr (MODE == kGroups) dw = scale_all(ds[r] + (c >> shift));
-      chunk(c, r, dw);
+    for (int r = 0; r < NR; ++r)
+      for (int64_t c = 0; c < full; ++c) chunk(c, r, weight_scale(c, r));
+  } else {
+    for (int64_t c = 0; c < full; ++c) {
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) chunk(c, r, weight_scale(c, r));
     }
   }
   if (full < nchunks) {
