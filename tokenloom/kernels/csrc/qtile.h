@@ -61,12 +61,6 @@ struct X {
   int64_t Kp, G;
 };
 
-// Ask for `bytes` from p into L2: the next tile's weight, while this tile's rows are computed (a tile's
-// 16 rows of codes are 16 streams, more than the hardware prefetchers follow).
-inline void prefetch_l2(const uint8_t* p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
-}
-
 // In place: r[i] dword c -> r[c] dword i (a 16 x 16 transpose of 32-bit values): 16 vectors of one
 // channel's 64 codes each become 16 steps of 4 inputs x 16 channels.
 inline void transpose16(__m512i r[16]) {
