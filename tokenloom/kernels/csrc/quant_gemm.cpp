@@ -19,7 +19,8 @@
 //     of x, the codes never expanded. x is quantized like llama.cpp's Q8 activations: int8 per 32 inputs
 //     (int8: per 64-input chunk), xq = round(x / dx) with dx = max |x| / 127, so that vpdpbusd multiplies
 //     64 codes by 64 xq per instruction; int4's zero point adds m times the group's sum of dx xq.
-//     Weights are prefetched in software: hardware prefetchers stop at 4 KiB pages. (Quantizing x takes
+//     Weights are prefetched in software (hardware prefetchers stop at 4 KiB pages), except int8's with 1-3
+//     rows of x, which reads its weight rows one after another in address order instead. (Quantizing x takes
 //     far fewer instructions than widening the codes to bf16: docs/performance-notes.md#quantized-matmul.)
 //   kSkinnyMaxRows < M <= quant_tile_max_rows() (batched decode, verification, small prefill chunks): qtile.h,
 //     16 output channels at a time decoded into a cache-resident tile of 8-bit codes and dotted with all
