@@ -23,7 +23,7 @@
 //     bit j of qh element j's fifth bit. Stored as planes: row = d[nb] | qh[nb] | qs[nb] (nb = K / 32)
 //
 // Routes (kquant_routes() lists those compiled in; `route` forces one, for tests and benchmarks):
-//   1 "vnni"     AVX512-VNNI. Up to 4 or 5 rows (tile_min_rows; decode, speculative verification): each weight byte
+//   1 "vnni"     AVX512-VNNI. Up to 3 or 4 rows (tile_min_rows; decode, speculative verification): each weight byte
 //                read once and dotted with all M rows of x, per row of W. x is quantized like llama.cpp's Q8_0
 //                activations: int8 per 32 inputs, xq = round(x / dx), dx = max |x| / 127, so that one
 //                vpdpbusd multiplies 64 codes by 64 xq. The K-quants' integer sub-block scales multiply the
@@ -610,11 +610,12 @@ at::Tensor tile_kquant(int64_t qtype, const at::Tensor& x, const uint8_t* blocks
 // The vnni route's first row count served by the tiles rather than the few-row kernels. The few-row
 // kernels' float work is per 64 inputs per row of x and of W (vpmulld, conversion, FMA for each vpdpbusd),
 // the tiles' per 32 inputs per row of x and 16 of W, but the tiles pay a decode and 16 x 16 transpose per
-// call, which out of cache waits on 16 rows of W at once: measured on Zen 4 (docs/benchmarks.md, "K-quants
-// at 2 to 64 rows"), the tiles win from 5 rows in cache and from 6 out of it; Q5_0's few-row kernel (two
-// blocks' d per 64 inputs) is the dearest, so its tiles take over one row earlier.
+// call. Measured on Zen 4 out of cache (docs/performance-notes.md#quantized-batching), since the fill asks
+// for the next pair's rows into L2 as it goes: the K-quants' tiles win from 4 rows (1.42-1.52x bf16 against
+// the few-row kernels' 1.16-1.46x; at 3 rows the few-row kernels, 1.40-1.85x against 1.34-1.70x), Q5_0's
+// from 5 (its few-row kernel is the cheapest per row: 1.17-1.19x against the tiles' 1.03-1.08x at 4 rows).
 inline int64_t tile_min_rows(int64_t qtype) {
-  return std::min<int64_t>(qtype == kQ5_0 ? 5 : 6, kSkinnyMaxRows + 1);
+  return std::min<int64_t>(qtype == kQ5_0 ? 5 : 4, kSkinnyMaxRows + 1);
 }
 
 bool route_compiled(int64_t route) {
