@@ -611,9 +611,10 @@ at::Tensor tile_kquant(int64_t qtype, const at::Tensor& x, const uint8_t* blocks
 // kernels' float work is per 64 inputs per row of x and of W (vpmulld, conversion, FMA for each vpdpbusd),
 // the tiles' per 32 inputs per row of x and 16 of W, but the tiles pay a decode and 16 x 16 transpose per
 // call. Measured on Zen 4 out of cache (docs/performance-notes.md#quantized-batching), since the fill asks
-// for the next pair's rows into L2 as it goes: the K-quants' tiles win from 4 rows (1.42-1.52x bf16 against
+// for the next pair's rows into L2 as it goes: the K-quants' tiles win from 4 rows (1.32-1.52x bf16 against
 // the few-row kernels' 1.16-1.46x; at 3 rows the few-row kernels, 1.40-1.85x against 1.34-1.70x), Q5_0's
-// from 5 (its few-row kernel is the cheapest per row: 1.17-1.19x against the tiles' 1.03-1.08x at 4 rows).
+// from 5 (its fill, three planes per row, is the dearest: at 4 rows its few-row kernel 1.17-1.19x, the
+// tiles 1.03-1.08x).
 inline int64_t tile_min_rows(int64_t qtype) {
   return std::min<int64_t>(qtype == kQ5_0 ? 5 : 4, kSkinnyMaxRows + 1);
 }
