@@ -494,12 +494,9 @@ template <int64_t QT>
 qtile::Tile fill_kquant(const uint8_t* blocks, int64_t row_bytes, int64_t N, int64_t K, int64_t n0, int64_t r,
                         uint8_t* codes, float* scale, float* zp, int32_t* isc) {
   constexpr int64_t C = qtile::kCh;
-  // Into L2 ahead: the rows of the tile filled after this pair (qtile::linear fills two tiles, then
-  // computes them; the tile right after this one is the pair's other, filled at once, too soon to wait
-  // for), row n0 + 2C + j's bytes a share at a time as row n0 + j's are decoded. Issued all at once at the
-  // start of the fill (~430 lines for Q6_K at K = 2048), most were lost to full miss queues and the fill
-  // waited on memory: 5-8 rows ran at 0.7-0.9x bf16 (docs/performance-notes.md#quantized-batching).
-  const int64_t ahead = 2 * C * row_bytes;
+  // Row n0 + qtile::kPrefetchAhead + j's bytes into L2 a share at a time as row n0 + j's are decoded.
+  constexpr int64_t A = qtile::kPrefetchAhead;
+  const int64_t ahead = A * row_bytes;
   // The scales, like the codes, are read per channel and transposed 16 x 16 dwords (channel j's 16 values
   // -> lane j of 16 vectors): a few vector ops per channel instead of 16 to 32 scalar strided stores, which
   // cost the fill about as much as its codes (the fill is most of a tile's time at 8 to 16 rows).
@@ -510,9 +507,9 @@ qtile::Tile fill_kquant(const uint8_t* blocks, int64_t row_bytes, int64_t N, int
       __m512i v[16];
       for (int64_t j = 0; j < C; ++j) {
         const uint8_t* row = blocks + (n0 + j) * row_bytes;
-        if (n0 + 2 * C + j < N)  // the share of its lines for this step of the whole row's three planes
+        if (n0 + A + j < N)  // the share of its lines for this step of the whole row's three planes
           for (int64_t l = b / 2 * lines / steps; l < (b / 2 + 1) * lines / steps; ++l)
-            _mm_prefetch(reinterpret_cast<const char*>(row + ahead + 64 * l), _MM_HINT_T1);
+            qtile::prefetch_l2(row + ahead + 64 * l);
         v[j] = j >= r ? _mm512_setzero_si512()
              : b + 1 < nb ? codes_q50_pair(row + 6 * nb + 16 * b, row + 2 * nb + 4 * b)
                           : _mm512_zextsi256_si512(codes_q50_block(row + 6 * nb + 16 * b, row + 2 * nb + 4 * b));
@@ -548,9 +545,9 @@ qtile::Tile fill_kquant(const uint8_t* blocks, int64_t row_bytes, int64_t N, int
           continue;
         }
         const uint8_t* p = blocks + (n0 + j) * row_bytes + i * type_size;
-        if (n0 + 2 * C + j < N) {  // every line superblock i of that row touches
-          for (int64_t o = 0; o < type_size; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + ahead + o), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(p + ahead + type_size - 1), _MM_HINT_T1);
+        if (n0 + A + j < N) {  // every line superblock i of that row touches
+          for (int64_t o = 0; o < type_size; o += 64) qtile::prefetch_l2(p + ahead + o);
+          qtile::prefetch_l2(p + ahead + type_size - 1);
         }
         if constexpr (QT == kQ6_K) {
           codes_q6k(p, u[j]);

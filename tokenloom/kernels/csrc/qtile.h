@@ -61,6 +61,13 @@ struct X {
   int64_t Kp, G;
 };
 
+// Each fill asks into L2 the rows kPrefetchAhead channels past its own (the tile after the pair: fill_pair fills
+// two tiles, then computes them, so the pair's other tile comes too soon to wait for), a share of their lines as
+// it reads its own. Asked all at once at the start of a fill (~430 lines for Q6_K at K = 2048), most were lost
+// to full miss queues and the fill waited on memory (docs/performance-notes.md#quantized-batching).
+constexpr int64_t kPrefetchAhead = 2 * kCh;
+inline void prefetch_l2(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
+
 // In place: r[i] dword c -> r[c] dword i (a 16 x 16 transpose of 32-bit values): 16 vectors of one
 // channel's 64 codes each become 16 steps of 4 inputs x 16 channels.
 inline void transpose16(__m512i r[16]) {

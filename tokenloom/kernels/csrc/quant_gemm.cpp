@@ -509,15 +509,12 @@ void quantize_x64(const c10::BFloat16* xp, int64_t M, int64_t Kp, int8_t* xq, fl
 // 32 (l & 1) + 4 (l >> 1) onwards) of the 16 rows, transposed, is the tile's step 16 c + 8 (l & 1) + (l >> 1).
 // Codes q + 128, unsigned, the 128 taken back by the zero point -128 d.
 qtile::Tile fill_int8(const QWeight& w, int64_t Kp, int64_t n0, int64_t r, uint8_t* codes, float* scale, float* zp) {
-  // Into L2 ahead, a line at a time as this tile's are read: the rows of the tile after this pair (as
-  // kquant.cpp's fill_kquant, which has the measurements).
-  const int64_t ahead = 2 * qtile::kCh;
+  constexpr int64_t A = qtile::kPrefetchAhead;  // into L2 ahead, a line as each of this tile's is read
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t c = 0; c < Kp / 64; ++c) {
     __m512i v[16];
     for (int j = 0; j < 16; ++j) {
-      if (n0 + ahead + j < w.N)
-        _mm_prefetch(reinterpret_cast<const char*>(w.codes + (n0 + ahead + j) * w.row_bytes + c * 64), _MM_HINT_T1);
+      if (n0 + A + j < w.N) qtile::prefetch_l2(w.codes + (n0 + A + j) * w.row_bytes + c * 64);
       v[j] = j < r ? _mm512_xor_si512(_mm512_loadu_si512(w.codes + (n0 + j) * w.row_bytes + c * 64), flip)
                    : _mm512_setzero_si512();
     }
@@ -551,12 +548,11 @@ qtile::Tile fill_int8(const QWeight& w, int64_t Kp, int64_t n0, int64_t r, uint8
 // float16 scales and mins made float.
 qtile::Tile fill_int4(const QWeight& w, int64_t Kp, int64_t n0, int64_t r, uint8_t* codes, float* scale, float* zp) {
   const uint8_t* base = w.codes + n0 * w.row_bytes;
-  // Into L2 ahead, a line per step as this block's are read: the block after this pair (as fill_int8).
-  const int64_t ahead = 2 * kBlock;
+  constexpr int64_t A = qtile::kPrefetchAhead;  // into L2 ahead, a line as each of this block's is read
   const __mmask64 kc = r == kBlock ? ~__mmask64(0) : (__mmask64(1) << (4 * r)) - 1;
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t s8 = 0; s8 < Kp / 8; ++s8) {
-    if (n0 + ahead < w.N) _mm_prefetch(reinterpret_cast<const char*>(base + ahead * w.row_bytes + s8 * 4 * r), _MM_HINT_T1);
+    if (n0 + A < w.N) qtile::prefetch_l2(base + A * w.row_bytes + s8 * 4 * r);
     const __m512i z = _mm512_maskz_loadu_epi8(kc, base + s8 * 4 * r);
     _mm512_storeu_si512(codes + 2 * s8 * 64, _mm512_and_si512(z, low));
     _mm512_storeu_si512(codes + (2 * s8 + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(z, 4), low));
