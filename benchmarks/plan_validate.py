@@ -34,8 +34,10 @@ knee is low (`--rate-fractions 0.125,0.25,0.5,1,2` brings it back). Keep the mac
       --no-step-trace: the per-token cost from its loaded TPOT gap); the prefill -> decode
       handoff (light) and the interference of streams with prefills (concurrency 4) from the split
       cluster, and from its workers' traces over all four runs what its decode steps cost per row beside a
-      prefill step (split_decode_row_s; see tokenloom/plan/calibrate.py). The split set-up uses the router
-      terms only if cluster-2 ran before it. The fit is printed.
+      prefill step (split_decode_row_s; see tokenloom/plan/calibrate.py); and from the single server's and
+      the cluster workers' traces the step spread (each traced step's engine time over its price, as
+      quantiles around their mean, that the simulator draws colocated workers' steps from). The split
+      set-up uses the router terms only if cluster-2 ran before it. The fit is printed.
    b. the judged runs: --repeats sweeps of `bench serve` at Poisson rates, by default 1/4, 1/2, 1 and 2 x
       the knee the calibrated planner predicts for that fleet (a sweep of simulated rates), so that the
       real knee falls inside the sweep even where the prediction is off; or --rates for all. Each sweep

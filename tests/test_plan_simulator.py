@@ -534,3 +534,89 @@ def test_router_costs_come_from_the_cluster_workers_step_traces(tmp_path: Path) 
     assert [f["term"] for f in got.calibration["residual_fits"]] == ["router_hop_s"]  # no TPOT-gap search
     with pytest.raises(ConfigError, match="cluster"):
         calibrate(bare, [single], FleetConfig(), step_traces=[single_trace], cluster_step_traces=[cluster_trace])
+
+
+def test_spread_factor_interpolates_the_quantiles() -> None:
+    from tokenloom.plan.simulator import spread_factor
+
+    q = (1.0, 2.0, 4.0)  # at probabilities 1/6, 1/2, 5/6
+    assert spread_factor(q, 0.0) == 1.0 and spread_factor(q, 1 / 6) == pytest.approx(1.0)
+    assert spread_factor(q, 1 / 3) == pytest.approx(1.5) and spread_factor(q, 0.5) == pytest.approx(2.0)
+    assert spread_factor(q, 2 / 3) == pytest.approx(3.0) and spread_factor(q, 0.999) == 4.0
+
+
+def test_a_step_spread_multiplies_the_engine_cost_of_colocated_workers_only() -> None:
+    # Steps of 10 ms and 1 ms of serving overhead; a constant spread of 2 (chunks) and 3 (decode) doubles
+    # the prompt step's engine part and triples the decode steps': 21 ms, then 31 ms each.
+    base = replace(profile((0.01, 0, 0, 0, 0)), overhead_step_s=0.001)
+    p = replace(base, step_spread={"single-chunk": (2.0, 2.0), "single-decode": (3.0, 3.0)})
+    (a,) = simulate(p, FleetConfig(), [req(0.0, 8, 3)]).records
+    assert a.token_times == pytest.approx([0.021, 0.052, 0.083])
+    # The "fleet" kind is for several workers sharing the host; one worker draws from "single" only.
+    (b,) = simulate(replace(base, step_spread={"fleet-chunk": (2.0, 2.0)}), FleetConfig(), [req(0.0, 8, 3)]).records
+    assert b.token_times == pytest.approx([0.011, 0.022, 0.033])
+    two = FleetConfig(workers=2, policy="round_robin", router=False)
+    fleet = replace(base, step_spread={"fleet-chunk": (2.0, 2.0), "single-decode": (3.0, 3.0)})
+    c, d = simulate(fleet, two, [req(0.0, 8, 2), req(1.0, 8, 1, 100)]).records
+    assert c.token_times == pytest.approx([0.021, 0.032]) and d.token_times == pytest.approx([1.021])
+    # A split fleet's workers draw none.
+    split = FleetConfig(workers=1, prefill_workers=1, router=False)
+    spread_all = {k: (5.0, 5.0) for k in ("single-chunk", "single-decode", "fleet-chunk", "fleet-decode")}
+    got = simulate(replace(base, step_spread=spread_all), split, [req(0.0, 8, 3)]).records[0].token_times
+    assert got == pytest.approx(simulate(base, split, [req(0.0, 8, 3)]).records[0].token_times)
+
+
+def test_a_step_spread_is_deterministic_for_a_seed_and_leaves_the_tokens_alone() -> None:
+    p = profile((0.002, 1e-5, 2e-4))
+    spread = {"single-chunk": (0.5, 1.0, 1.5), "single-decode": (0.8, 1.0, 1.2)}
+    reqs = poisson(rate=50.0, num_requests=30, input_len=24, output_len=6, seed=5)
+    a = simulate(replace(p, step_spread=spread), FleetConfig(), reqs, seed=3)
+    b = simulate(replace(p, step_spread=spread), FleetConfig(), reqs, seed=3)
+    c = simulate(replace(p, step_spread=spread), FleetConfig(), reqs, seed=4)
+    assert [r.token_times for r in a.records] == [r.token_times for r in b.records]
+    assert [r.token_times for r in a.records] != [r.token_times for r in c.records]
+    # Quantiles all 1: the draws change nothing, the same timeline as without a spread.
+    ones = simulate(replace(p, step_spread={"single-chunk": (1.0, 1.0), "single-decode": (1.0, 1.0)}),
+                    FleetConfig(), reqs, seed=3)
+    plain = simulate(p, FleetConfig(), reqs, seed=3)
+    assert [r.token_times for r in ones.records] == [r.token_times for r in plain.records]
+
+
+def test_a_profiles_step_spread_is_checked_and_saved(tmp_path: Path) -> None:
+    p = replace(profile((0.01,)), step_spread={"fleet-chunk": (0.9, 1.0, 1.6)})
+    p.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json").step_spread == {"fleet-chunk": (0.9, 1.0, 1.6)}
+    with pytest.raises(ConfigError, match="unknown kind 'cluster-chunk'"):
+        replace(p, step_spread={"cluster-chunk": (1.0, 1.0)})
+    for bad in ((1.0,), (1.2, 1.0), (0.0, 1.0), (1.0, float("inf"))):
+        with pytest.raises(ConfigError, match="non-decreasing positive"):
+            replace(p, step_spread={"fleet-chunk": bad})
+
+
+def test_the_step_spread_comes_from_the_traced_steps_around_their_mean(tmp_path: Path) -> None:
+    from tokenloom.plan.calibrate import calibrate
+    from tokenloom.plan.host import attribute, fit_spread, load_trace
+
+    bare = profile((0.002, 1e-5, 2e-4))
+    dec = [(1, 100)] * 4
+    # 100 decode steps, 90 at their price and 10 at 3x: the ratio's mean is 1.2, so the quantiles are 1/1.2
+    # up to the 90th, 3/1.2 = 2.5 from the 92nd (the 91st, at probability 0.905, lies between the two
+    # samples); 10 chunk steps are too few for a table of their own.
+    steps = [(float(i), bare.cost.step_time(dec) * (3.0 if i % 10 == 9 else 1.0), dec, 1e-3) for i in range(100)]
+    steps += [(200.0 + i, bare.cost.step_time([(64, 0)]), [(64, 0)], 1e-3) for i in range(10)]
+    trace = _timed_trace(tmp_path / "single.csv", steps)
+    fit = fit_spread(attribute(bare, load_trace([trace])))
+    assert set(fit.tables) == {"decode"} and fit.steps == {"chunk": 10, "decode": 100}
+    t = fit.tables["decode"]
+    assert len(t) == 100 and t[0] == pytest.approx(1 / 1.2, rel=1e-4) and t[89] == pytest.approx(1 / 1.2, rel=1e-4)
+    assert 1 / 1.2 < t[90] < 2.5 and t[91] == pytest.approx(2.5, rel=1e-4) and t[-1] == pytest.approx(2.5, rel=1e-4)
+    assert fit.line().startswith("step spread: chunk steps: 10 traced, too few (no spread); decode steps x0.83 / ")
+    assert fit.line().endswith(" / x2.50 their mean at q10 / q90 / q99 (100 traced)")
+    # Through calibrate: the single server's table under "single-decode", refitted afresh each time.
+    real = replace(bare, overhead_step_s=1e-3, request_s=0.05)
+    single = sim_bench_folder(tmp_path / "single-runs", real, FleetConfig(), [(0.2, None)])
+    stale = replace(bare, step_spread={"fleet-chunk": (1.0, 9.0)})
+    got = calibrate(stale, [single], FleetConfig(), step_traces=[trace])
+    assert set(got.step_spread) == {"single-decode"}
+    assert got.step_spread["single-decode"][-1] == pytest.approx(2.5, rel=0.05)
+    assert got.calibration["single_spread_fit"].startswith("step spread: chunk steps: 10 traced")

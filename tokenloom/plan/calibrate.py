@@ -38,6 +38,9 @@ each a least-squares fit of a constant or a line to a few measured `bench serve`
    worker's steps cost per row beside a prefill worker's step beyond steps of as many rows without one
    (plan/host.py fit_split_decode); its calibration needs runs with many rows per decode step for that
    (plan_validate.py: concurrency 16 and a burst above its knee, neither used for the TTFT fits).
+4. The step spread (Profile.step_spread), from the same traces: the single server's steps' engine time over
+   their price, and the cluster workers' (host.fit_spread), per kind of step, as quantiles around the mean
+   that the terms above carry. Each is set before the fits that simulate with it (request_s, router_hop_s).
 Every term is clipped at 0 (a faster-than-simulated measurement means no such cost, not a negative one).
 Calibrate on points you will not judge the simulation by, then compare at others.
 """
@@ -253,17 +256,22 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     lights = light(points)
     response = float(np.mean([response_tail(trace) for _, trace in lights]))
     a = b = req = 0.0
-    traced = None
+    traced = single_spread = None
     refit = None
+    profile = replace(profile, step_spread={})  # fitted afresh below, from the traces given, or none
     if step_traces:
-        from tokenloom.plan.host import attribute, fit_overheads, load_trace, refit_cost
+        from tokenloom.plan.host import attribute, fit_overheads, fit_spread, load_trace, refit_cost
 
         trace = load_trace(step_traces)
         profile, refit = refit_cost(profile, trace)
         log(f"step trace: {refit}")
-        traced = fit_overheads(attribute(profile, trace))
+        attributed = attribute(profile, trace)
+        traced = fit_overheads(attributed)
         a, b = traced.step_s, traced.row_s
         log(f"step trace: {traced.line()}")
+        single_spread = fit_spread(attributed)
+        log(f"step trace: {single_spread.line()}")
+        profile = replace(profile, step_spread={f"single-{k}": t for k, t in single_spread.tables.items()})
     used: list[dict[str, Any]] = []
     for _ in range(rounds):
         cur = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
@@ -299,18 +307,21 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     c_pts = (cluster[1], *_light_and_loaded(cluster[0], "tpot_s_median")) if cluster is not None else None
     s_pts = (split[1], *_light_and_loaded(split[0], "ttft_s_median")) if split is not None else None
     fits: list[dict[str, Any]] = []
-    router_fit = chunk_fit = None
+    router_fit = chunk_fit = cluster_spread = None
     if cluster_step_traces:
         if c_pts is None:
             raise ConfigError("the cluster's step traces need its calibration runs (cluster=) too")
-        from tokenloom.plan.host import attribute, fit_peer_chunks, fit_router_excess, load_trace
+        from tokenloom.plan.host import attribute, fit_peer_chunks, fit_router_excess, fit_spread, load_trace
 
         c_trace = attribute(profile, load_trace(cluster_step_traces))
         router_fit = fit_router_excess(c_trace, a, b)
         log(f"cluster step traces: {router_fit.line()}")
         chunk_fit = fit_peer_chunks(c_trace, a, b, router_fit.step_s, router_fit.token_s)
         log(f"cluster step traces: {chunk_fit.line()}")
-        out = replace(out, router_step_s=router_fit.step_s, peer_chunk_ratio=chunk_fit.ratio)
+        cluster_spread = fit_spread(c_trace)
+        log(f"cluster step traces: {cluster_spread.line()}")
+        out = replace(out, router_step_s=router_fit.step_s, peer_chunk_ratio=chunk_fit.ratio,
+                      step_spread={**out.step_spread, **{f"fleet-{k}": t for k, t in cluster_spread.tables.items()}})
     if c_pts is not None:
         c_fleet, c_light, c_loaded = c_pts
         if router_fit is not None:
@@ -348,6 +359,8 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
                                      "cluster_step_traces": [str(f) for f in cluster_step_traces or []],
                                      "cluster_step_trace_fit": None if router_fit is None else router_fit.line(),
                                      "cluster_chunk_fit": None if chunk_fit is None else chunk_fit.line(),
+                                     "single_spread_fit": None if single_spread is None else single_spread.line(),
+                                     "cluster_spread_fit": None if cluster_spread is None else cluster_spread.line(),
                                      "split_folders": [str(f) for f in split[0]] if split else [],
                                      "split_step_traces": [str(f) for f in split_step_traces or []],
                                      "split_decode_fit": None if split_fit is None else split_fit.line()})
@@ -375,4 +388,5 @@ def overheads_line(prof: Profile) -> str:
             f"chunks x{1 + prof.peer_chunk_ratio:.3f} beside another worker; "
             f"split handoff +{prof.handoff_s * 1e3:.1f} ms; "
             f"interference {prof.interference_step_s * 1e3:.2f} ms per streaming step/s of other workers; split decode "
-            f"beside a prefill +{prof.split_decode_row_s * 1e3:.3f} ms/row")
+            f"beside a prefill +{prof.split_decode_row_s * 1e3:.3f} ms/row; step spread "
+            f"{', '.join(sorted(prof.step_spread)) or 'none'}")

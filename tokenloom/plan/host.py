@@ -211,6 +211,49 @@ def fit_peer_chunks(attributed: pd.DataFrame, step_s: float, row_s: float, route
     return PeerChunkFit(ratio, len(df), float(busy[chunk].mean()))
 
 
+SPREAD_POINTS = 100  # quantiles kept per kind of step
+MIN_SPREAD_STEPS = 30  # fewer traced steps of a kind say too little about its tail: no table for it
+
+
+@dataclass(frozen=True)
+class SpreadFit:
+    tables: dict[str, tuple[float, ...]]  # "chunk" / "decode": quantiles of engine / price over their mean
+    steps: dict[str, int]  # traced steps behind each (a kind with too few has no table)
+
+    def line(self) -> str:
+        parts = []
+        for kind in ("chunk", "decode"):
+            t = self.tables.get(kind)
+            if t is None:
+                parts.append(f"{kind} steps: {self.steps.get(kind, 0)} traced, too few (no spread)")
+                continue
+            q = [t[min(int(p * len(t)), len(t) - 1)] for p in (0.1, 0.9, 0.99)]
+            parts.append(f"{kind} steps x{q[0]:.2f} / x{q[1]:.2f} / x{q[2]:.2f} their mean at q10 / q90 / q99 "
+                         f"({self.steps[kind]} traced)")
+        return "step spread: " + "; ".join(parts)
+
+
+def fit_spread(attributed: pd.DataFrame, points: int = SPREAD_POINTS,
+               min_steps: int = MIN_SPREAD_STEPS) -> SpreadFit:
+    """The spread of traced steps' engine time around their price, for the simulator to draw from
+    (Profile.step_spread): per kind of step (prompt chunks, decode-only), `points` quantiles at (i + 0.5) /
+    points of engine / predicted, divided by its mean. The mean is what the other terms carry (the price,
+    peer_chunk_ratio); this is only the shape around it: the slow steps a p99 is made of."""
+    tables: dict[str, tuple[float, ...]] = {}
+    steps: dict[str, int] = {}
+    decode = attributed["decode_only"].to_numpy(bool)
+    for kind, mask in (("chunk", ~decode), ("decode", decode)):
+        df = attributed[mask]
+        df = df[df["predicted"] > 0]
+        steps[kind] = len(df)
+        if len(df) < min_steps:
+            continue
+        ratio = df["engine"].to_numpy(float) / df["predicted"].to_numpy(float)
+        q = np.quantile(ratio / ratio.mean(), (np.arange(points) + 0.5) / points)
+        tables[kind] = tuple(float(v) for v in np.maximum.accumulate(np.maximum(q, 1e-6)))
+    return SpreadFit(tables, steps)
+
+
 @dataclass(frozen=True)
 class SplitDecodeFit:
     row_s: float  # per row, a decode step's cost beside a prefill worker's step beyond one of as many rows alone

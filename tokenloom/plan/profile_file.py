@@ -22,6 +22,12 @@ OVERHEADS = ("overhead_step_s", "overhead_row_s", "request_s", "response_s", "ro
 # (disagg/blocks.py export_prefix, run on its engine thread before its next step) and the decode
 # worker's import of the received blocks (import_prefix, likewise between its steps).
 KV_MOVES = ("kv_export_s_per_block", "kv_import_s_per_block")
+# Step-time spread (`plan calibrate`, from served step traces: plan/host.py fit_spread): per kind of
+# colocated fleet ("single": one worker; "fleet": workers sharing the host) and of step ("chunk": computes
+# prompt tokens; "decode"), quantiles at probabilities (i + 0.5) / n of a served step's engine time over its
+# price, divided by that ratio's mean (so the mean stays the other terms'). The simulator draws each step's
+# factor from them (plan/simulator.py spread_factor); absent, every step costs its price.
+SPREAD_KEYS = ("single-chunk", "single-decode", "fleet-chunk", "fleet-decode")
 
 
 @dataclass(frozen=True)
@@ -77,10 +83,15 @@ class Profile:
     split_decode_row_s: float = 0.0
     kv_export_s_per_block: float = 0.0  # see KV_MOVES
     kv_import_s_per_block: float = 0.0
+    # See SPREAD_KEYS. On the 2-core EPYC a 2-worker cluster's prompt-chunk steps ran up to 1.58x their mean
+    # (q99; one worker alone 1.15x), and without it the cluster's light-load TTFT p99 came out a third short
+    # (docs/benchmarks.md, plan validation run 34).
+    step_spread: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
-    def step_time(self, rows: list[tuple[int, int]]) -> float:
-        """One simulated step: the engine step's cost plus the serving overhead."""
-        return self.cost.step_time(rows) + self.overhead_step_s + self.overhead_row_s * len(rows)
+    def step_time(self, rows: list[tuple[int, int]], spread: float = 1.0) -> float:
+        """One simulated step: the engine step's cost (times `spread`, a draw of step_spread) plus the
+        serving overhead."""
+        return self.cost.step_time(rows) * spread + self.overhead_step_s + self.overhead_row_s * len(rows)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -91,6 +102,14 @@ class Profile:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
                 raise ConfigError(f"profile: {name} must be a finite number >= 0, got {v!r}")
+        for key, table in self.step_spread.items():
+            if key not in SPREAD_KEYS:
+                raise ConfigError(f"profile: step_spread has an unknown kind {key!r} (known: {', '.join(SPREAD_KEYS)})")
+            ok = (len(table) >= 2 and all(isinstance(v, (int, float)) and 0 < v < float("inf") for v in table)
+                  and all(a <= b for a, b in zip(table, table[1:])))
+            if not ok:
+                raise ConfigError(f"profile: step_spread[{key!r}] must be two or more non-decreasing positive "
+                                  f"quantiles, got {table!r}")
 
     def to_json(self) -> dict[str, Any]:
         return {"source": self.source, "model": self.model, "cost": self.cost.to_json(), "block_size": self.block_size,
@@ -98,7 +117,7 @@ class Profile:
                 "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
                 "max_model_len": self.max_model_len, "windows": list(self.windows), "machine": self.machine,
                 "fit": self.fit, **{k: getattr(self, k) for k in OVERHEADS + KV_MOVES},
-                "calibration": self.calibration}
+                "step_spread": {k: list(v) for k, v in self.step_spread.items()}, "calibration": self.calibration}
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -124,7 +143,8 @@ class Profile:
         return cls(d["source"], d["model"], cost, int(d["block_size"]), int(d["num_blocks"]),
                    float(d["kv_bytes_per_token"]), int(d["max_num_seqs"]), int(d["max_num_batched_tokens"]),
                    int(d["max_model_len"]), tuple(d.get("windows", [None])), d.get("machine", {}), d.get("fit", {}),
-                   calibration=d.get("calibration", {}), **{k: float(d.get(k, 0.0)) for k in OVERHEADS + KV_MOVES})
+                   calibration=d.get("calibration", {}), **{k: float(d.get(k, 0.0)) for k in OVERHEADS + KV_MOVES},
+                   step_spread={str(k): tuple(float(x) for x in v) for k, v in d.get("step_spread", {}).items()})
 
     @classmethod
     def load(cls, path: Path) -> Profile:

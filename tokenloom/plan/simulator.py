@@ -38,6 +38,12 @@ prefill worker's steps: applied to a colocated cluster's prefills too, the term 
 priced the 2-worker cluster's light-load TTFT 61-65% high (docs/benchmarks.md, plan validation run 11;
 run 12 without it: -9 to -14%). The other way round, a split fleet's decode worker's step costs the
 profile's `split_decode_row_s` x rows more when it starts while a prefill worker has a step in flight.
+Where the profile has a step spread (`step_spread`, fitted from served step traces), each step of a
+colocated worker multiplies its engine cost by a factor drawn from it (chunk or decode steps; one worker,
+or workers sharing the host), from a generator of its own so that the draws leave the sampled tokens as
+they are: a p99 is made of the slow steps a constant price never has. A split fleet's workers draw none:
+with its own traces' spread the calibration lowered the handoff and interference it fits, and its loaded
+TTFT came out further short (docs/benchmarks.md, "Step-time spread").
 """
 
 from __future__ import annotations
@@ -133,10 +139,20 @@ class SimRecord:
     kv_transfer_s: float = 0.0
 
 
+def spread_factor(quantiles: tuple[float, ...], u: float) -> float:
+    """The step-spread factor at probability u in [0, 1): linear between the quantiles, which sit at (i + 0.5)
+    / n (profile_file.SPREAD_KEYS), and held at the first and last beyond them."""
+    n = len(quantiles)
+    x = min(max(u * n - 0.5, 0.0), n - 1.0)
+    i = min(int(x), n - 2)
+    return quantiles[i] + (quantiles[i + 1] - quantiles[i]) * (x - i)
+
+
 class SimWorker:
     """One engine: the engine's Scheduler and KV cache manager, and a step that takes the profile's time."""
 
-    def __init__(self, index: int, role: str, profile: Profile, fleet: FleetConfig, rng: random.Random) -> None:
+    def __init__(self, index: int, role: str, profile: Profile, fleet: FleetConfig, rng: random.Random,
+                 spread_rng: random.Random | None = None) -> None:
         self.index, self.role = index, role
         self.kv = KVCacheManager(profile.num_blocks, profile.block_size, fleet.enable_prefix_caching,
                                  windows=profile.windows)
@@ -148,6 +164,11 @@ class SimWorker:
         self.route = Worker(f"http://{role}-{index}.sim", index, healthy=True)  # what the router's policy sees
         self.batch: ScheduledBatch | None = None
         self.rng = rng
+        # The step spread's quantiles for (chunk, decode) steps, or None: colocated workers only (module doc).
+        kind = "single" if fleet.workers == 1 else "fleet"
+        self.spread = ((profile.step_spread.get(f"{kind}-chunk"), profile.step_spread.get(f"{kind}-decode"))
+                       if role == "worker" else (None, None))
+        self.spread_rng = spread_rng or random.Random(0)
         self.steps = 0
         self.busy_s = 0.0
         self.samples: list[tuple[int, int, float]] = []  # per step: (waiting, running, KV usage)
@@ -188,10 +209,13 @@ class SimWorker:
         self.samples.append((self.scheduler.num_waiting, self.scheduler.num_running, self.kv.usage))
         # Rows whose step reaches the end of their known tokens sample one token each (see finish_step).
         streamed = sum(1 for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens)
-        dt = self.profile.step_time(rows) + self.router_step_s + self.token_s * streamed
+        chunk = any(n > 1 for n in batch.num_new_tokens)
+        table = self.spread[0 if chunk else 1]
+        spread = spread_factor(table, self.spread_rng.random()) if table else 1.0
+        dt = self.profile.step_time(rows, spread) + self.router_step_s + self.token_s * streamed
         if prefill_stepping:
             dt += self.beside_prefill * len(rows)
-        if any(n > 1 for n in batch.num_new_tokens):
+        if chunk:
             if peer_stepping:  # the engine's part only, as plan/host.py fit_peer_chunks measures it
                 dt += self.chunk_ratio * self.profile.cost.step_time(rows)
             # Interference slows prompt computation (measured: a split fleet's TTFT grows with the decode
@@ -259,8 +283,9 @@ class Simulation:
                  on_step: Callable[[SimWorker], None] | None = None) -> None:
         self.profile, self.fleet = profile, fleet
         self.rng = random.Random(seed)
-        self.decode = [SimWorker(i, "decode" if fleet.prefill_workers else "worker", profile, fleet, self.rng)
-                       for i in range(fleet.workers)]
+        spread_rng = random.Random(f"step-spread-{seed}")  # apart from self.rng: same tokens with or without
+        self.decode = [SimWorker(i, "decode" if fleet.prefill_workers else "worker", profile, fleet, self.rng,
+                                 spread_rng) for i in range(fleet.workers)]
         self.prefill = [SimWorker(i, "prefill", profile, fleet, self.rng) for i in range(fleet.prefill_workers)]
         self.workers = self.decode + self.prefill
         router = RouterConfig(workers=tuple(w.route.url for w in self.decode), policy=fleet.policy)  # type: ignore[arg-type]
