@@ -32,9 +32,10 @@ knee is low (`--rate-fractions 0.125,0.25,0.5,1,2` brings it back). Keep the mac
       decode steps' time beyond the single server's overhead, a line in the tokens each streamed; and
       from the same traces peer_chunk_ratio, their prompt-chunk steps' cost beside the other worker's;
       --no-step-trace: the per-token cost from its loaded TPOT gap); the prefill -> decode
-      handoff (light) and the interference of streams with prefills (concurrency 4) from the split
-      cluster, and from its workers' traces over all four runs what its decode steps cost per row beside a
-      prefill step (split_decode_row_s; see tokenloom/plan/calibrate.py); and from the single server's and
+      handoff (light) from the split cluster, and from its workers' traces over all four runs what each
+      role's steps cost against their price alone and beside the other role's work (the split ratios; see
+      tokenloom/plan/calibrate.py; --no-step-trace: the interference of streams with prefills from its
+      concurrency-4 TTFT instead); and from the single server's and
       the cluster workers' traces the step spread (each traced step's engine time over its price, as
       quantiles around their mean, that the simulator draws colocated workers' steps from). The split
       set-up uses the router terms only if cluster-2 ran before it. The fit is printed.
@@ -79,7 +80,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tokenloom.bench.stats import SweepPoint, knee
+from tokenloom.bench.stats import SweepPoint, knee, step_efficiencies
 from tokenloom.netutil import free_port, wait_until_healthy
 from tokenloom.plan.calibrate import calibrate, overheads_line
 from tokenloom.plan.metrics import fleet_summary
@@ -120,8 +121,8 @@ OPEN = ("single", "cluster-2")
 # three times as many build the queue up. Not one of the judged rates (1/4 .. 2 x).
 # The split fleet's burst puts many rows on its decode worker while its prefill worker computes the
 # arrivals, which its closed loops at concurrency 1 and 4 (at most 4 rows) never do: its decode steps of
-# 9-64 rows ran 4-18 ms over those with the prefill worker idle in runs 28-30's judged traces
-# (split_decode_row_s, fitted from its workers' traces over these runs).
+# 9-64 rows ran 4-18 ms over those with the prefill worker idle in runs 28-30's judged traces (the split
+# ratios, fitted from its workers' traces over these runs).
 BURST = {"cluster-2": (1.5, 96), "split-1P1D": (1.5, 96)}
 # Runs whose steps only its workers' traces use, not the residual fits: the split fleet's decode worker at
 # about 16 rows the whole run, the prefill worker stepping beside some of its steps and not others, at
@@ -189,8 +190,8 @@ def run_setup(name: str, prof: Profile, calibrated: dict[str, list[Path]], a: ar
     trace = a.out / f"step-trace-{name}.csv"
     # The single server's trace fits the per-step and per-row overhead, the 2-worker cluster's workers' the
     # router's per-step and per-token cost and the prompt-chunk ratio, the split fleet's workers' (worker-0
-    # decode, worker-1 prefill) what its decode steps cost beside a prefill step (tokenloom/plan/calibrate.py;
-    # its prefill worker's slowdown is interference_step_s, fitted from its TTFT).
+    # decode, worker-1 prefill) what each role's steps cost alone and beside the other's (the split ratios,
+    # tokenloom/plan/calibrate.py).
     traced = name in ("single", "cluster-2", "split-1P1D") and not a.no_step_trace
     trace_dir = a.out / f"step-traces-{name}"
     trace_flags = []
@@ -365,7 +366,7 @@ def compare(name: str, sweeps: list[dict[str, Any]], a: argparse.Namespace) -> l
         return knee([SweepPoint(r["rate"], r[f"{side}_out_tok_s"], r[f"{side}_e2el_p95"]) for r in points
                      if r[f"{side}_e2el_p95"] is not None], a.knee_efficiency)
 
-    def pooled_knee(side: str) -> float | None:
+    def pooled_points(side: str) -> list[SweepPoint]:
         # Every repeat's requests at a rate together: throughput = all output tokens / all durations, one
         # p95 over all E2Es (repeats x num-prompts requests instead of the median of the repeats' p95s).
         pts = []
@@ -375,16 +376,20 @@ def compare(name: str, sweeps: list[dict[str, Any]], a: argparse.Namespace) -> l
             if e2e:
                 pts.append(SweepPoint(rate, sum(p[0] for p in pools) / sum(p[1] for p in pools),
                                       float(np.percentile(e2e, 95))))
-        return knee(pts, a.knee_efficiency)
+        return pts
 
     for side in ("measured", "sim"):
-        k = pooled_knee(side)
+        pooled = pooled_points(side)
+        k = knee(pooled, a.knee_efficiency)
+        steps = step_efficiencies(pooled)
         median_sweep = side_knee(side, rows)
         # Each repeat's own knee too (reported, not judged): how well 40 requests per rate place it.
         per_repeat = [side_knee(side, [r for r in sweeps if r["repeat"] == i])
                       for i in sorted({r["repeat"] for r in sweeps})]
         for r in rows:
             r[f"{side}_knee"] = k
+            r[f"{side}_step_efficiencies"] = steps
+            r["knee_threshold"] = a.knee_efficiency
             r[f"{side}_median_sweep_knee"] = median_sweep
             r[f"{side}_repeat_knees"] = per_repeat
     return rows
@@ -424,9 +429,15 @@ def verdict(rows: list[dict[str, Any]]) -> str:
         def knees(side: str) -> str:
             return ", ".join("none" if k is None else f"{k:g}" for k in mine[0].get(f"{side}_repeat_knees", []))
 
+        def effs(side: str) -> str:
+            return ", ".join("-" if e is None else f"{e:.2f}" for e in mine[0].get(f"{side}_step_efficiencies", []))
+
         lines.append(f"- {name} (medians of {min(r['repeats'] for r in mine)} repeats): {ok} of {len(errs)} "
                      f"figures within 20% below the measured knee; knee (pooled) measured {mine[0]['measured_knee']}, "
-                     f"simulated {mine[0]['sim_knee']} req/s ({same}; reported only: the median sweep's knee "
+                     f"simulated {mine[0]['sim_knee']} req/s ({same}; pooled efficiency of each rate step "
+                     f"measured {effs('measured')}, simulated {effs('sim')}: the knee is the rate before the first step "
+                     f"below {mine[0].get('knee_threshold', 0.5):g}; "
+                     f"reported only: the median sweep's knee "
                      f"measured {mine[0]['measured_median_sweep_knee']}, simulated {mine[0]['sim_median_sweep_knee']}; "
                      f"each repeat's knee measured {knees('measured')}, simulated {knees('sim')})")
     lines.append(f"- all set-ups: {total} of {judged} figures below the measured knee within 20%")

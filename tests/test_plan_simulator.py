@@ -320,73 +320,100 @@ def test_a_colocated_workers_prompt_chunks_beside_another_workers_step_cost_the_
                  reqs).records[1].first_token)
 
 
-def test_a_split_decode_step_beside_a_prefill_step_costs_split_decode_row_s_per_row() -> None:
-    # Steps of 5 ms; 1 ms link latency. Request 0: prefill 0-5 ms, handed off at 6, decoded 6-11, 11-16.
-    # Request 1 arrives at 15 ms: the prefill worker computes it 15-20 while the decode worker's step starts
-    # at 16, which costs 5 + 3 x 1 row = 8 ms (token at 24). Request 1 reaches the decode worker at 21,
-    # mid-step, and joins at 24: 24-29 is a 2-row step with the prefill worker idle, a plain 5 ms.
-    p = replace(profile((0.005, 0.0, 0.0)), split_decode_row_s=0.003)
+def test_a_split_fleets_steps_cost_their_roles_ratios_alone_and_beside_the_other_role() -> None:
+    # Steps of 5 ms; 1 ms link latency; 8-token prompts (no full block: the decode worker computes them).
+    # Prefill steps x1.2 alone, +0.4 beside decode work; decode steps x1.1 alone, +0.6 beside a prefill step.
+    # A: prefill 0-6 (decode worker idle), arrives 7; decode steps 7-12.5 (its prompt), 12.5-18.
+    # B arrives at 15: the decode worker has work, so its prefill costs 5 x 1.6 = 8 ms, 15-23. A's step that
+    # starts at 18, beside it, costs 5 x 1.7 = 8.5 (to 26.5). B arrives at the decode worker at 24, mid-step,
+    # and joins at 26.5: 26.5-32 with the prefill worker idle, x1.1.
+    p = replace(profile((0.005, 0.0, 0.0)), split_prefill_ratio=0.2, split_prefill_peer_ratio=0.4,
+                split_decode_ratio=0.1, split_decode_peer_ratio=0.6)
     split = FleetConfig(workers=1, prefill_workers=1, router=False)
     reqs = [SimRequest(0.0, tuple(range(1, 9)), 20), SimRequest(0.015, tuple(range(100, 108)), 2)]
     a, b = simulate(p, split, reqs).records
-    assert a.token_times[:5] == pytest.approx([0.011, 0.016, 0.024, 0.029, 0.034])
-    assert b.token_times == pytest.approx([0.029, 0.034])
-    a0, _ = simulate(replace(p, split_decode_row_s=0.0), split, reqs).records
+    assert a.token_times[:5] == pytest.approx([0.0125, 0.018, 0.0265, 0.032, 0.0375])
+    assert b.token_times == pytest.approx([0.032, 0.0375])
+    none = replace(p, split_prefill_ratio=0.0, split_prefill_peer_ratio=0.0, split_decode_ratio=0.0,
+                   split_decode_peer_ratio=0.0)
+    a0, _ = simulate(none, split, reqs).records
     assert a0.token_times[:3] == pytest.approx([0.011, 0.016, 0.021])
-    # A colocated cluster's workers never pay them (they have no prefill worker beside them).
+    # A colocated cluster's workers never pay them.
     cluster = FleetConfig(workers=2, policy="round_robin", router=False)
     assert [r.token_times for r in simulate(p, cluster, reqs).records] == \
-        [r.token_times for r in simulate(replace(p, split_decode_row_s=0.0), cluster, reqs).records]
+        [r.token_times for r in simulate(none, cluster, reqs).records]
 
 
-def test_split_decode_slowdown_comes_from_steps_beside_the_prefill_worker(tmp_path: Path) -> None:
+def _split_traces(folder: Path, bare: Profile, prefill: tuple[float, float],
+                  decode: tuple[float, float]) -> tuple[Path, Path]:
+    """A split fleet's worker traces (decode, prefill) whose steps cost price x (1 + alone + peer x busy).
+    The decode worker's loop iterations cover 0-60 s back to back (a step at each second, 1-8 rows); a
+    128-token prefill step starts 5 ms before every odd second (busy 1: inside them), so that the decode
+    steps of odd seconds run beside it (busy 1) and even ones alone; ten more prefill steps at 61-70 s
+    run alone."""
+    folder.mkdir(exist_ok=True)
+    dsteps = []
+    for k in range(60):
+        rows = [(1, 100)] * (1 + k % 8)
+        e = bare.cost.step_time(rows) * (1 + decode[0] + decode[1] * (k % 2))
+        dsteps.append((float(k), e, rows, 1.0 - e))
+    psteps = []
+    for t, busy in [(k - 0.005, 1) for k in range(1, 60, 2)] + [(float(k), 0) for k in range(61, 71)]:
+        psteps.append((t, bare.cost.step_time([(128, 0)]) * (1 + prefill[0] + prefill[1] * busy), [(128, 0)], 0.0))
+    return _timed_trace(folder / "worker-0.csv", dsteps), _timed_trace(folder / "worker-1.csv", psteps)
+
+
+def test_the_split_ratios_come_from_each_roles_steps_beside_the_others(tmp_path: Path) -> None:
     from tokenloom.plan.calibrate import calibrate
-    from tokenloom.plan.host import attribute, fit_split_decode, load_trace
+    from tokenloom.plan.host import attribute, fit_split_ratios, load_trace
 
-    # "Reality": the decode worker's steps of 1-16 rows cost their price + 0.2 ms + an uneven 0-1.5 ms by row
-    # count (its own mismatch, whatever the prefill worker does: fitted, not charged) and 0.3 ms/row more
-    # while the prefill worker steps (from 0 to 32 s: one long prompt step); each iteration then pays the
-    # single server's 0.9 ms + 0.2 ms per row after the step. Decode steps at 0..63 s: the first 32 beside it.
-    bare = profile((0.002, 1e-5, 2e-4))
+    bare = profile((0.002, 1e-4, 2e-4))  # 2 ms + 0.1 ms per token + 0.2 ms per row
+    dw, pw = _split_traces(tmp_path, bare, (0.05, 0.2), (0.15, 0.1))
+    fit = fit_split_ratios(attribute(bare, load_trace([dw, pw])), {str(pw)})
+    assert fit.prefill_steps == 40 and fit.decode_steps == 60
+    assert fit.prefill == pytest.approx((0.05, 0.2), abs=2e-3)  # the trace keeps microseconds
+    assert fit.decode == pytest.approx((0.15, 0.1), abs=2e-3)
+    assert fit.prefill_busy == pytest.approx(0.75) and fit.decode_busy == pytest.approx(0.5)
+    assert fit.line().startswith("prefill steps x1.050 their price alone, +0.200 beside")
+    # Decode steps faster beside a prefill step than alone: no negative cost; the alone part takes their mean.
+    fd, fp = _split_traces(tmp_path / "faster", bare, (0.05, 0.2), (0.1, -0.1))
+    faster = fit_split_ratios(attribute(bare, load_trace([fd, fp])), {str(fp)})
+    assert faster.decode[1] == 0.0 and 0.0 < faster.decode[0] < 0.1
 
-    def decode(t: int) -> tuple[float, float, list[tuple[int, int]], float]:
-        rows = [(1, 100)] * (1 + t % 16)
-        own = 2e-4 + 1e-4 * (len(rows) * 7 % 16)
-        return float(t), bare.cost.step_time(rows) + own + (3e-4 * len(rows) if t < 32 else 0.0), rows, \
-            9e-4 + 2e-4 * len(rows)
-
-    dw = _timed_trace(tmp_path / "worker-0.csv", [decode(t) for t in range(64)])
-    pw = _timed_trace(tmp_path / "worker-1.csv", [(0.0, 32.0, [(512, 0)], 0.0)])
-    df = attribute(bare, load_trace([dw, pw]))
-    fit = fit_split_decode(df, {str(pw)}, 9e-4, 2e-4, 0.0)
-    assert fit.steps == 64 and fit.compared == 64
-    assert fit.row_s == pytest.approx(3e-4, abs=2e-6)  # the trace keeps microseconds
-    assert fit.line().startswith("decode steps beside a prefill step +0.300 ms/row")
-    # Steps that ran faster than their price beside the prefill worker: nothing charged, not a negative cost.
-    fast = _timed_trace(tmp_path / "fast-0.csv", [(t, e - (6e-4 * len(r) if t < 32 else 0.0), r, x)
-                                                  for t, e, r, x in (decode(t) for t in range(64))])
-    assert fit_split_decode(attribute(bare, load_trace([fast, pw])), {str(pw)}, 9e-4, 2e-4, 0.0).row_s == 0.0
-    # Row counts seen only beside it (or only alone) cannot tell the prefill worker's share from the decode
-    # worker's own: with every step beside it nothing is charged, and the line says why.
-    beside_only = _timed_trace(tmp_path / "b-0.csv", [decode(t) for t in range(32)])
-    none = fit_split_decode(attribute(bare, load_trace([beside_only, pw])), {str(pw)}, 9e-4, 2e-4, 0.0)
-    assert none.compared == 0 and none.row_s == 0.0 and "none charged" in none.line()
-
-    # Through calibrate, with the split fleet's traces in `cluster --step-trace-dir`'s order (decode first).
-    real = replace(bare, overhead_step_s=9e-4, overhead_row_s=2e-4, request_s=0.05)
+    # Through calibrate, with the traces in `cluster --step-trace-dir`'s order (decode first): the ratios are
+    # the traces', and the loaded split point fits no interference beside them (it would price the same
+    # slowing twice); without the traces it does.
+    real = replace(bare, overhead_step_s=9e-4, overhead_row_s=2e-4, request_s=0.05, interference_step_s=0.002)
     split_fleet = FleetConfig(workers=1, prefill_workers=1)
-    single = sim_bench_folder(tmp_path / "single", real, FleetConfig(), [(0.2, None)])
-    split = sim_bench_folder(tmp_path / "split", real, split_fleet, [(0.2, None)])
+    single = sim_bench_folder(tmp_path / "single", replace(real, interference_step_s=0.0), FleetConfig(),
+                              [(0.2, None)])
+    split = sim_bench_folder(tmp_path / "split", real, split_fleet, [(0.5, 1), (40.0, 4)])
     single_trace = _timed_trace(tmp_path / "single.csv", [
         (float(t), bare.cost.step_time([(1, 100)] * n), [(1, 100)] * n, 9e-4 + 2e-4 * n)
         for t, n in enumerate((1, 2, 4, 8) * 10)])
     got = calibrate(bare, [single], FleetConfig(), split=([split], split_fleet), step_traces=[single_trace],
                     split_step_traces=[dw, pw])
-    assert got.split_decode_row_s == pytest.approx(3e-4, abs=2e-6)
-    assert got.calibration["split_decode_fit"].startswith("decode steps beside a prefill step")
+    assert (got.split_prefill_ratio, got.split_prefill_peer_ratio) == pytest.approx((0.05, 0.2), abs=2e-3)
+    assert (got.split_decode_ratio, got.split_decode_peer_ratio) == pytest.approx((0.15, 0.1), abs=2e-3)
+    assert got.interference_step_s == 0.0
+    assert got.calibration["split_ratio_fit"].startswith("prefill steps x1.050")
+    # And the split workers' spread: 40 prompt steps and 60 decode steps, each kind's quantiles around its mean.
+    assert set(got.step_spread) >= {"split-chunk", "split-decode"}
+    assert got.calibration["split_spread_fit"].startswith("step spread: chunk steps")
+    untraced = calibrate(bare, [single], FleetConfig(), split=([split], split_fleet), step_traces=[single_trace])
+    assert untraced.interference_step_s > 0 and untraced.split_decode_ratio == 0.0
     with pytest.raises(ConfigError, match="decode workers' first"):
         calibrate(bare, [single], FleetConfig(), split=([split], split_fleet), step_traces=[single_trace],
                   split_step_traces=[dw])
+
+
+def test_a_profile_with_a_retired_term_loads_at_zero_and_is_refused_calibrated(tmp_path: Path) -> None:
+    d = profile((0.005,)).to_json()
+    d["split_decode_row_s"] = 0.0  # every profile written before 2026-12-07 has it
+    assert Profile.from_json(d).split_decode_ratio == 0.0
+    d["split_decode_row_s"] = 3e-4
+    with pytest.raises(ConfigError, match="split_decode_row_s .* plan calibrate"):
+        Profile.from_json(d)
 
 
 def test_router_token_cost_comes_from_a_loaded_cluster_point(tmp_path: Path) -> None:
@@ -545,7 +572,7 @@ def test_spread_factor_interpolates_the_quantiles() -> None:
     assert spread_factor(q, 2 / 3) == pytest.approx(3.0) and spread_factor(q, 0.999) == 4.0
 
 
-def test_a_step_spread_multiplies_the_engine_cost_of_colocated_workers_only() -> None:
+def test_a_step_spread_multiplies_the_engine_cost_of_its_kind_of_worker() -> None:
     # Steps of 10 ms and 1 ms of serving overhead; a constant spread of 2 (chunks) and 3 (decode) doubles
     # the prompt step's engine part and triples the decode steps': 21 ms, then 31 ms each.
     base = replace(profile((0.01, 0, 0, 0, 0)), overhead_step_s=0.001)
@@ -559,11 +586,15 @@ def test_a_step_spread_multiplies_the_engine_cost_of_colocated_workers_only() ->
     fleet = replace(base, step_spread={"fleet-chunk": (2.0, 2.0), "single-decode": (3.0, 3.0)})
     c, d = simulate(fleet, two, [req(0.0, 8, 2), req(1.0, 8, 1, 100)]).records
     assert c.token_times == pytest.approx([0.021, 0.032]) and d.token_times == pytest.approx([1.021])
-    # A split fleet's workers draw none.
+    # A split fleet's workers draw from the "split" kind only: the prompt step on the prefill worker 21 ms,
+    # 1 ms of link latency, the decode worker's step over the (blockless) prompt 21 ms, then decode steps 31.
     split = FleetConfig(workers=1, prefill_workers=1, router=False)
-    spread_all = {k: (5.0, 5.0) for k in ("single-chunk", "single-decode", "fleet-chunk", "fleet-decode")}
-    got = simulate(replace(base, step_spread=spread_all), split, [req(0.0, 8, 3)]).records[0].token_times
+    colocated = {k: (5.0, 5.0) for k in ("single-chunk", "single-decode", "fleet-chunk", "fleet-decode")}
+    got = simulate(replace(base, step_spread=colocated), split, [req(0.0, 8, 3)]).records[0].token_times
     assert got == pytest.approx(simulate(base, split, [req(0.0, 8, 3)]).records[0].token_times)
+    own = {**colocated, "split-chunk": (2.0, 2.0), "split-decode": (3.0, 3.0)}
+    (e,) = simulate(replace(base, step_spread=own), split, [req(0.0, 8, 3)]).records
+    assert e.token_times == pytest.approx([0.043, 0.074, 0.105])
 
 
 def test_a_step_spread_is_deterministic_for_a_seed_and_leaves_the_tokens_alone() -> None:

@@ -143,10 +143,21 @@ def knee(points: Sequence[SweepPoint], min_efficiency: float = 0.5) -> float | N
     if not pts:
         return None
     best = pts[0].load
-    for prev, cur in zip(pts, pts[1:]):
-        d_lat = (cur.latency - prev.latency) / prev.latency if prev.latency > 0 else 0.0
-        d_thr = (cur.throughput - prev.throughput) / prev.throughput if prev.throughput > 0 else 0.0
-        if d_lat > 0 and d_thr / d_lat < min_efficiency:
+    for cur, eff in zip(pts[1:], step_efficiencies(pts)):
+        if eff is not None and eff < min_efficiency:
             break
         best = cur.load
     return best
+
+
+def step_efficiencies(points: Sequence[SweepPoint]) -> list[float | None]:
+    """Per step from one sweep point to the next (by load): relative throughput gain / relative latency
+    increase, None where latency did not grow (such a step always counts as efficient). What `knee` compares
+    with its threshold: a knee decided by a step near it is a coin toss between two close sweeps."""
+    pts = sorted(points, key=lambda p: p.load)
+    out: list[float | None] = []
+    for prev, cur in zip(pts, pts[1:]):
+        d_lat = (cur.latency - prev.latency) / prev.latency if prev.latency > 0 else 0.0
+        d_thr = (cur.throughput - prev.throughput) / prev.throughput if prev.throughput > 0 else 0.0
+        out.append(d_thr / d_lat if d_lat > 0 else None)
+    return out

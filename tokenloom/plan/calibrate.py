@@ -29,18 +29,21 @@ each a least-squares fit of a constant or a line to a few measured `bench serve`
    mean gap (`_per_token_fit`); without loaded points, from the light ones (about one streamed row per
    step, so the gap is the per-token cost). Then router_hop_s = measured - simulated median TTFT at the
    light points.
-3. A split fleet (optional): handoff_s = measured - simulated median TTFT at its light points; and from
-   its loaded points (e.g. concurrency 4), interference_step_s: how much the decode worker's streaming
-   steps slow the prefill worker's steps on the shared host (the same search on the median TTFT gap).
-   It slows only a split fleet's prefill worker (plan/simulator.py), so the router terms are fitted once,
-   before it (until 2026-12-06 it slowed a colocated cluster's prefills too and the two were fitted in
-   turn, three rounds). Before both, given its workers' step traces, split_decode_row_s: what its decode
-   worker's steps cost per row beside a prefill worker's step beyond steps of as many rows without one
-   (plan/host.py fit_split_decode); its calibration needs runs with many rows per decode step for that
-   (plan_validate.py: concurrency 16 and a burst above its knee, neither used for the TTFT fits).
+3. A split fleet (optional): given its workers' step traces, first what each role's steps cost against
+   their price, alone and beside the other role's work (split_{prefill,decode}_ratio and _peer_ratio:
+   plan/host.py fit_split_ratios; plan_validate.py adds runs at 16 rows and a burst above its knee for
+   the traces, used for nothing else). Then handoff_s = measured - simulated median TTFT at its light
+   points. Without the traces, interference_step_s from its loaded points (e.g. concurrency 4): how much
+   the decode worker's streaming steps slow the prefill worker's steps on the shared host (the same search
+   on the median TTFT gap); with them it stays 0, the ratios price that slowing from the steps themselves
+   (on the 2-core EPYC this TTFT-gap term priced the prefill steps 1.3-1.6x where they ran 1.25x, and the
+   decode worker at its price where it ran 1.15-1.3x: plan validation run 35, docs/benchmarks.md). It
+   slows only a split fleet's prefill worker (plan/simulator.py), so the router terms are fitted once,
+   before it.
 4. The step spread (Profile.step_spread), from the same traces: the single server's steps' engine time over
-   their price, and the cluster workers' (host.fit_spread), per kind of step, as quantiles around the mean
-   that the terms above carry. Each is set before the fits that simulate with it (request_s, router_hop_s).
+   their price, the cluster workers' and the split workers' (host.fit_spread), per kind of step, as
+   quantiles around the mean that the terms above carry. Each is set before the fits that simulate with it
+   (request_s, router_hop_s, handoff_s).
 Every term is clipped at 0 (a faster-than-simulated measurement means no such cost, not a negative one).
 Calibrate on points you will not judge the simulation by, then compare at others.
 """
@@ -64,7 +67,7 @@ from tokenloom.plan.simulator import FleetConfig, simulate
 from tokenloom.plan.workload import SimRequest, replay
 
 if TYPE_CHECKING:
-    from tokenloom.plan.host import SplitDecodeFit
+    from tokenloom.plan.host import SplitRatioFit, SpreadFit
 
 Point = tuple[dict[str, Any], Path]  # a bench summary point and its own records file
 
@@ -130,10 +133,10 @@ def _residual_fit(name: str, prof: Profile, fleet: FleetConfig, points: list[Poi
     for point, trace in points:
         # At concurrency 1 one request is in flight at a time, so nothing streams during a prefill; the
         # replay (open loop, at the measured start times) can overlap a request's simulated tail with the
-        # next one's prefill, which the interference would then slow: it is left out there.
+        # next one's prefill, which the interference (or the split's peer ratios) would then slow: left out.
         cur = replace(prof, **{name: 0.0})  # the term's own current value out: the residual is all of it
         if point.get("concurrency") == 1:
-            cur = replace(cur, interference_step_s=0.0)
+            cur = replace(cur, interference_step_s=0.0, split_prefill_peer_ratio=0.0, split_decode_peer_ratio=0.0)
         s = fleet_summary(simulate(cur, fleet, replay(trace, seed=seed), seed))
         if point.get(metric) is None or s[metric] is None:
             continue
@@ -245,8 +248,8 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     traces over its calibration runs) router_step_s and router_token_s are their decode steps' cost beyond
     the single server's per-step and per-row terms (host.fit_router_excess), not the loaded TPOT gap. With
     `split_step_traces` (the split fleet's workers' traces over its calibration runs, in `cluster
-    --step-trace-dir`'s order: its decode workers, then its prefill workers) split_decode_row_s is fitted
-    (host.fit_split_decode) before the handoff and the interference."""
+    --step-trace-dir`'s order: its decode workers, then its prefill workers) the split ratios are fitted
+    (host.fit_split_ratios) before the handoff, and no interference is."""
     points = [pt for folder in folders for pt in bench_points(folder) if pt[0].get("tpot_s_median") is not None]
     need = 1 if step_traces else 2
     if len(points) < need:
@@ -276,7 +279,7 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     for _ in range(rounds):
         cur = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
                       router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, peer_chunk_ratio=0.0,
-                      handoff_s=0.0, interference_step_s=0.0, split_decode_row_s=0.0)
+                      handoff_s=0.0, interference_step_s=0.0, **_NO_SPLIT_RATIOS)
         xs, ys, used, gaps = [], [], [], []
         for (point, _), reqs in zip(points, requests):
             s = fleet_summary(simulate(cur, fleet, reqs, seed))
@@ -298,7 +301,7 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
         req = max(0.0, float(np.mean(gaps))) if gaps else 0.0
     out = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
                   router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, peer_chunk_ratio=0.0,
-                  handoff_s=0.0, interference_step_s=0.0, split_decode_row_s=0.0)
+                  handoff_s=0.0, interference_step_s=0.0, **_NO_SPLIT_RATIOS)
     log(f"single server: {a * 1e3:.2f} ms/step + {b * 1e3:.3f} ms/row; request {req * 1e3:.1f} ms, "
         f"response {response * 1e3:.1f} ms, from {len(used)} points")
     if split is not None and split[1].prefill_workers < 1:
@@ -334,19 +337,24 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
         hop, r2 = _residual_fit("router_hop_s", out, c_fleet, c_light, "ttft_s_median", seed, log)
         out = replace(out, router_hop_s=hop)
         fits += r1 + r2
-    split_fit = None
+    split_fit = split_spread = None
     if split_step_traces:
         if s_pts is None:
             raise ConfigError("the split fleet's step traces need its calibration runs (split=) too")
-        split_fit = _split_decode_fit(out, s_pts[0], split_step_traces)
+        split_fit, split_spread = _split_ratio_fit(out, s_pts[0], split_step_traces)
         log(f"split step traces: {split_fit.line()}")
-        out = replace(out, split_decode_row_s=split_fit.row_s)
+        log(f"split step traces: {split_spread.line()}")
+        out = replace(out, split_prefill_ratio=split_fit.prefill[0], split_prefill_peer_ratio=split_fit.prefill[1],
+                      split_decode_ratio=split_fit.decode[0], split_decode_peer_ratio=split_fit.decode[1],
+                      step_spread={**out.step_spread, **{f"split-{k}": t for k, t in split_spread.tables.items()}})
     if s_pts is not None:
         s_fleet, s_light, s_loaded = s_pts
         handoff, r3 = _residual_fit("handoff_s", out, s_fleet, s_light, "ttft_s_median", seed, log)
         out = replace(out, handoff_s=handoff)
         fits += r3
-        if s_loaded:
+        if split_fit is not None:
+            log("  interference_step_s: 0 (the split workers' traces priced their steps)")
+        elif s_loaded:
             inter, r4 = _interference_fit(out, s_fleet, s_loaded, seed, log)
             out = replace(out, interference_step_s=inter)
             fits += r4
@@ -361,23 +369,29 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
                                      "cluster_chunk_fit": None if chunk_fit is None else chunk_fit.line(),
                                      "single_spread_fit": None if single_spread is None else single_spread.line(),
                                      "cluster_spread_fit": None if cluster_spread is None else cluster_spread.line(),
+                                     "split_spread_fit": None if split_spread is None else split_spread.line(),
                                      "split_folders": [str(f) for f in split[0]] if split else [],
                                      "split_step_traces": [str(f) for f in split_step_traces or []],
-                                     "split_decode_fit": None if split_fit is None else split_fit.line()})
+                                     "split_ratio_fit": None if split_fit is None else split_fit.line()})
 
 
-def _split_decode_fit(prof: Profile, fleet: FleetConfig, traces: list[Path]) -> SplitDecodeFit:
-    """host.fit_split_decode over the split fleet's worker traces: the first fleet.workers are its decode
-    workers, the next fleet.prefill_workers its prefill workers (`cluster --step-trace-dir`'s order)."""
-    from tokenloom.plan.host import attribute, fit_split_decode, load_trace
+# Every split ratio at 0: the single server's and the cluster's fits simulate without them.
+_NO_SPLIT_RATIOS = {"split_prefill_ratio": 0.0, "split_prefill_peer_ratio": 0.0, "split_decode_ratio": 0.0,
+                    "split_decode_peer_ratio": 0.0}
+
+
+def _split_ratio_fit(prof: Profile, fleet: FleetConfig, traces: list[Path]) -> tuple[SplitRatioFit, SpreadFit]:
+    """host.fit_split_ratios over the split fleet's worker traces (the first fleet.workers are its decode
+    workers, the next fleet.prefill_workers its prefill workers: `cluster --step-trace-dir`'s order), and
+    their steps' spread around their price (host.fit_spread)."""
+    from tokenloom.plan.host import attribute, fit_split_ratios, fit_spread, load_trace
 
     if len(traces) != fleet.workers + fleet.prefill_workers:
         raise ConfigError(f"the split fleet's step traces: {len(traces)} given, its {fleet.workers} decode and "
                           f"{fleet.prefill_workers} prefill workers make "
                           f"{fleet.workers + fleet.prefill_workers} (decode workers' first)")
     df = attribute(prof, load_trace(traces))
-    return fit_split_decode(df, {str(t) for t in traces[fleet.workers:]}, prof.overhead_step_s,
-                            prof.overhead_row_s, prof.router_token_s)
+    return fit_split_ratios(df, {str(t) for t in traces[fleet.workers:]}), fit_spread(df)
 
 
 def overheads_line(prof: Profile) -> str:
@@ -387,6 +401,8 @@ def overheads_line(prof: Profile) -> str:
             f"ms/request + {prof.router_step_s * 1e3:.2f} ms/step + {prof.router_token_s * 1e3:.2f} ms/token, prompt "
             f"chunks x{1 + prof.peer_chunk_ratio:.3f} beside another worker; "
             f"split handoff +{prof.handoff_s * 1e3:.1f} ms; "
-            f"interference {prof.interference_step_s * 1e3:.2f} ms per streaming step/s of other workers; split decode "
-            f"beside a prefill +{prof.split_decode_row_s * 1e3:.3f} ms/row; step spread "
+            f"interference {prof.interference_step_s * 1e3:.2f} ms per streaming step/s of other workers; split "
+            f"prefill steps x{1 + prof.split_prefill_ratio:.3f} +{prof.split_prefill_peer_ratio:.3f} beside decode work, "
+            f"decode steps x{1 + prof.split_decode_ratio:.3f} +{prof.split_decode_peer_ratio:.3f} beside a prefill; "
+            f"step spread "
             f"{', '.join(sorted(prof.step_spread)) or 'none'}")

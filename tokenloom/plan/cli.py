@@ -106,9 +106,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                          "a time there)")
     ca.add_argument("--split-step-trace", type=Path, nargs="+", default=None,
                     help="the split cluster's workers' step traces over the --split-bench runs (`cluster "
-                         "--step-trace-dir`, decode worker first, then prefill): fits what its decode steps cost "
-                         "per row beside a prefill step (needs runs with many rows per step among them, e.g. "
-                         "concurrency 16)")
+                         "--step-trace-dir`, decode worker first, then prefill): fits what each role's steps cost "
+                         "against their price, alone and beside the other role's work, instead of the "
+                         "interference from the loaded TTFT (best with runs at many rows per step among them, "
+                         "e.g. concurrency 16)")
     ca.add_argument("--seed", type=int, default=0)
     ca.add_argument("--out", type=Path, required=True, help="the calibrated profile")
     ca.set_defaults(func=_calibrate)

@@ -13,21 +13,26 @@ from tokenloom.errors import ConfigError
 from tokenloom.plan.cost_model import LinearStepCost, StepCost
 
 MEASURED = "measured"
-# The serving-time terms `plan calibrate` fits (seconds, but peer_chunk_ratio: a fraction), beside the engine
-# step's cost.
+# The serving-time terms `plan calibrate` fits (seconds, but the *_ratio terms: fractions of a step's price),
+# beside the engine step's cost.
 OVERHEADS = ("overhead_step_s", "overhead_row_s", "request_s", "response_s", "router_hop_s", "router_step_s",
-             "router_token_s", "peer_chunk_ratio", "handoff_s", "interference_step_s", "split_decode_row_s")
+             "router_token_s", "peer_chunk_ratio", "handoff_s", "interference_step_s", "split_prefill_ratio",
+             "split_prefill_peer_ratio", "split_decode_ratio", "split_decode_peer_ratio")
+# Terms older versions fitted and this one no longer simulates: a profile may carry them at 0 (every profile
+# written then did, calibrated or not); a calibrated value is refused, since it would price nothing now.
+RETIRED = {"split_decode_row_s": "split_decode_ratio and split_decode_peer_ratio (2026-12-07)"}
 # Engine time per KV block that a split fleet's handoff holds each engine for (seconds; measured by `plan
 # profile`, 0 in older and analytic profiles): the prefill worker's export of a finished prompt's blocks
 # (disagg/blocks.py export_prefix, run on its engine thread before its next step) and the decode
 # worker's import of the received blocks (import_prefix, likewise between its steps).
 KV_MOVES = ("kv_export_s_per_block", "kv_import_s_per_block")
-# Step-time spread (`plan calibrate`, from served step traces: plan/host.py fit_spread): per kind of
-# colocated fleet ("single": one worker; "fleet": workers sharing the host) and of step ("chunk": computes
-# prompt tokens; "decode"), quantiles at probabilities (i + 0.5) / n of a served step's engine time over its
-# price, divided by that ratio's mean (so the mean stays the other terms'). The simulator draws each step's
-# factor from them (plan/simulator.py spread_factor); absent, every step costs its price.
-SPREAD_KEYS = ("single-chunk", "single-decode", "fleet-chunk", "fleet-decode")
+# Step-time spread (`plan calibrate`, from served step traces: plan/host.py fit_spread): per kind of fleet
+# ("single": one worker; "fleet": colocated workers sharing the host; "split": a split fleet's prefill and
+# decode workers) and of step ("chunk": computes prompt tokens; "decode"), quantiles at probabilities
+# (i + 0.5) / n of a served step's engine time over its price, divided by that ratio's mean (so the mean
+# stays the other terms'). The simulator draws each step's factor from them (plan/simulator.py
+# spread_factor); absent, every step costs its price.
+SPREAD_KEYS = ("single-chunk", "single-decode", "fleet-chunk", "fleet-decode", "split-chunk", "split-decode")
 
 
 @dataclass(frozen=True)
@@ -70,17 +75,23 @@ class Profile:
     # Split fleets: the prefill -> decode handoff beyond bytes / link bandwidth (the prefill HTTP round
     # trip, KV export and import, the ZeroMQ send, the decode request's set-up).
     handoff_s: float = 0.0
-    # Workers sharing one host: each step per second in which the *other* workers stream tokens slows a step
-    # that computes prompt tokens by this many seconds per second (the router, the client and their HTTP
-    # loops, woken by every streaming step, preempt the engine thread and evict its caches). Seen on the
-    # 2-core CPU as a split fleet's prefill slowed 20-30% while its decode worker streamed; fitted from a
-    # loaded split point (plan/calibrate.py).
+    # Workers sharing one host: each step per second in which the *other* workers stream tokens slows a
+    # split fleet's prefill step by this many seconds per second (the router, the client and their HTTP
+    # loops, woken by every streaming step, preempt the engine thread and evict its caches). Fitted from a
+    # loaded split point's TTFT (plan/calibrate.py) where the split workers' step traces are not given;
+    # with them, the four split ratios below price the same slowing from the steps themselves, and this is 0.
     interference_step_s: float = 0.0
-    # And the other way: a split fleet's decode worker's step costs split_decode_row_s x its rows more when it
-    # starts while a prefill worker computes a prompt. On the 2-core Xeon its steps ran 0.29-0.31 ms per row
-    # over those of as many rows with the prefill worker idle (the judged runs of plan validation runs 28-31,
-    # plan/host.py fit_split_decode).
-    split_decode_row_s: float = 0.0
+    # A split fleet's workers, from their step traces (plan/host.py fit_split_ratios): a prefill worker's step
+    # costs its price x (1 + split_prefill_ratio), + split_prefill_peer_ratio x its price when it starts while
+    # a decode worker has work; a decode worker's step likewise with split_decode_ratio, and
+    # split_decode_peer_ratio when it starts while a prefill worker computes. On the 2-core EPYC (plan
+    # validation runs 34-35) prefill steps ran 1.07 + 0.18 x (the fraction of the step beside decode work)
+    # their price and decode steps 1.14-1.17 + 0.09-0.12 x that fraction, in the calibration runs and the
+    # judged ones alike.
+    split_prefill_ratio: float = 0.0
+    split_prefill_peer_ratio: float = 0.0
+    split_decode_ratio: float = 0.0
+    split_decode_peer_ratio: float = 0.0
     kv_export_s_per_block: float = 0.0  # see KV_MOVES
     kv_import_s_per_block: float = 0.0
     # See SPREAD_KEYS. On the 2-core EPYC a 2-worker cluster's prompt-chunk steps ran up to 1.58x their mean
@@ -127,6 +138,12 @@ class Profile:
     def from_json(cls, d: dict[str, Any]) -> Profile:
         # A key this version does not know (a misspelt or renamed overhead) would simulate as 0 s: refused.
         known = {f.name for f in fields(cls)}  # to_json writes every field under its own name
+        for key, successor in RETIRED.items():
+            if key in d:
+                if d[key]:
+                    raise ConfigError(f"profile: {key} = {d[key]} was calibrated by an older tokenloom; this one "
+                                      f"prices it as {successor}: run `tokenloom plan calibrate` again")
+                d = {k: v for k, v in d.items() if k != key}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"profile: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")

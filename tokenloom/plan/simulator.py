@@ -31,19 +31,20 @@ step that produced the token. A colocated worker's step with prompt tokens costs
 its price while another worker has a step in flight (the profile timed it with the other cores idle). And
 each step per second that the other workers stream tokens in slows a step that computes prompt tokens by
 the profile's `interference_step_s` seconds per second (the fleet's workers share the host the profile was
-calibrated on): a split fleet's prefill runs slower while its decode worker streams. Per streaming step, not
-per token: every step wakes the router, the client and the HTTP loops once, whatever its rows (on the 2-core
-CPU this fitted the split fleet's TTFT better than a per-token charge, 1 and 2 req/s). Only a
-prefill worker's steps: applied to a colocated cluster's prefills too, the term fitted on the split fleet
-priced the 2-worker cluster's light-load TTFT 61-65% high (docs/benchmarks.md, plan validation run 11;
-run 12 without it: -9 to -14%). The other way round, a split fleet's decode worker's step costs the
-profile's `split_decode_row_s` x rows more when it starts while a prefill worker has a step in flight.
-Where the profile has a step spread (`step_spread`, fitted from served step traces), each step of a
-colocated worker multiplies its engine cost by a factor drawn from it (chunk or decode steps; one worker,
-or workers sharing the host), from a generator of its own so that the draws leave the sampled tokens as
-they are: a p99 is made of the slow steps a constant price never has. A split fleet's workers draw none:
-with its own traces' spread the calibration lowered the handoff and interference it fits, and its loaded
-TTFT came out further short (docs/benchmarks.md, "Step-time spread").
+calibrated on): a split fleet's prefill runs slower while its decode worker streams (the TTFT-gap fit, where
+no step traces of the split workers were given). Only a prefill worker's steps: applied to a colocated
+cluster's prefills too, the term fitted on the split fleet priced the 2-worker cluster's light-load TTFT
+61-65% high (docs/benchmarks.md, plan validation run 11; run 12 without it: -9 to -14%). From the split
+workers' traces instead, each role's step costs (1 + split_{prefill,decode}_ratio) x its engine price, plus
+split_{prefill,decode}_peer_ratio x the price when it starts while the other role has work: for a prefill
+step a decode worker with a step in flight or sequences to run (it steps on for the prefill's whole ~150
+ms), for a decode step a prefill worker's step in flight.
+Where the profile has a step spread (`step_spread`, fitted from served step traces), each step multiplies
+its engine cost by a factor drawn from it (chunk or decode steps; of one worker, of colocated workers
+sharing the host, or of a split fleet's workers), from a generator of its own so that the draws leave the
+sampled tokens as they are: a p99 is made of the slow steps a constant price never has. (A split fleet
+drew none while its prefill slowing was the TTFT-gap term: with a spread the calibration lowered that
+term, and its loaded TTFT came out further short; docs/benchmarks.md, "Step-time spread".)
 """
 
 from __future__ import annotations
@@ -164,10 +165,9 @@ class SimWorker:
         self.route = Worker(f"http://{role}-{index}.sim", index, healthy=True)  # what the router's policy sees
         self.batch: ScheduledBatch | None = None
         self.rng = rng
-        # The step spread's quantiles for (chunk, decode) steps, or None: colocated workers only (module doc).
-        kind = "single" if fleet.workers == 1 else "fleet"
-        self.spread = ((profile.step_spread.get(f"{kind}-chunk"), profile.step_spread.get(f"{kind}-decode"))
-                       if role == "worker" else (None, None))
+        # The step spread's quantiles for (chunk, decode) steps, or None (module doc).
+        kind = "split" if role != "worker" else "single" if fleet.workers == 1 else "fleet"
+        self.spread = (profile.step_spread.get(f"{kind}-chunk"), profile.step_spread.get(f"{kind}-decode"))
         self.spread_rng = spread_rng or random.Random(0)
         self.steps = 0
         self.busy_s = 0.0
@@ -181,8 +181,9 @@ class SimWorker:
         self.token_s = profile.router_token_s if routed else 0.0
         # A colocated worker's prompt chunks beside another worker's step: the profile timed them alone.
         self.chunk_ratio = profile.peer_chunk_ratio if role == "worker" and fleet.workers > 1 else 0.0
-        # A split fleet's decode step beside a prefill worker's step: seconds per row.
-        self.beside_prefill = profile.split_decode_row_s if role == "decode" else 0.0
+        # A split fleet's worker: its step's price x (alone, beside the other role's work) more.
+        self.split_ratio = {"prefill": (profile.split_prefill_ratio, profile.split_prefill_peer_ratio),
+                            "decode": (profile.split_decode_ratio, profile.split_decode_peer_ratio)}.get(role, (0.0, 0.0))
         self.stream_rate = 0.0  # 1 / its step's duration while a step that streams tokens is in flight, else 0
         # A split fleet's KV handoff copies on the engine thread between steps (the profile's per-block
         # export / import times): held until then, no step starts; imports that arrive during a step wait.
@@ -190,11 +191,11 @@ class SimWorker:
         self.imports: list[tuple[SimRecord, Sequence]] = []
 
     def start_step(self, others_rate: float = 0.0, peer_stepping: bool = False,
-                   prefill_stepping: bool = False) -> float | None:
+                   other_role_busy: bool = False) -> float | None:
         """Schedule a step; its duration, or None when there is nothing to run. `others_rate`: the streaming
         steps per second of the fleet's other workers at this moment (their steps in flight);
-        `peer_stepping`: whether another worker has a step in flight now; `prefill_stepping`: whether a
-        prefill worker has."""
+        `peer_stepping`: whether another worker has a step in flight now; `other_role_busy`: in a split
+        fleet, whether a worker of the other role has work now (Simulation._kick)."""
         if not self.scheduler.has_unfinished():
             return None
         batch = self.scheduler.schedule()
@@ -213,8 +214,9 @@ class SimWorker:
         table = self.spread[0 if chunk else 1]
         spread = spread_factor(table, self.spread_rng.random()) if table else 1.0
         dt = self.profile.step_time(rows, spread) + self.router_step_s + self.token_s * streamed
-        if prefill_stepping:
-            dt += self.beside_prefill * len(rows)
+        alone, peer = self.split_ratio
+        if alone or peer:
+            dt += (alone + (peer if other_role_busy else 0.0)) * self.profile.cost.step_time(rows)
         if chunk:
             if peer_stepping:  # the engine's part only, as plan/host.py fit_peer_chunks measures it
                 dt += self.chunk_ratio * self.profile.cost.step_time(rows)
@@ -286,7 +288,8 @@ class Simulation:
         spread_rng = random.Random(f"step-spread-{seed}")  # apart from self.rng: same tokens with or without
         self.decode = [SimWorker(i, "decode" if fleet.prefill_workers else "worker", profile, fleet, self.rng,
                                  spread_rng) for i in range(fleet.workers)]
-        self.prefill = [SimWorker(i, "prefill", profile, fleet, self.rng) for i in range(fleet.prefill_workers)]
+        self.prefill = [SimWorker(i, "prefill", profile, fleet, self.rng, spread_rng)
+                        for i in range(fleet.prefill_workers)]
         self.workers = self.decode + self.prefill
         router = RouterConfig(workers=tuple(w.route.url for w in self.decode), policy=fleet.policy)  # type: ignore[arg-type]
         self.policy: Policy = make_policy(router)
@@ -338,10 +341,19 @@ class Simulation:
         slowed = self.profile.interference_step_s and worker.role == "prefill"
         others = sum(w.stream_rate for w in self.workers if w is not worker) if slowed else 0.0
         stepping = worker.chunk_ratio > 0 and any(w.batch is not None for w in self.workers if w is not worker)
-        prefilling = worker.beside_prefill > 0 and any(w.batch is not None for w in self.prefill)
-        dt = worker.start_step(others, stepping, prefilling)
+        dt = worker.start_step(others, stepping, self._other_role_busy(worker))
         if dt is not None:
             self._push(now + dt, _STEP_DONE, worker)
+
+    def _other_role_busy(self, worker: SimWorker) -> bool:
+        """Whether a split fleet's worker of the other role has work as `worker` starts a step: a decode
+        worker with a step in flight, copies, or sequences to run (a prefill step lasts many decode steps,
+        and the decode worker steps on while it has sequences); a prefill worker with a step in flight."""
+        if worker.role == "prefill":
+            return any(w.batch is not None or w.held or w.scheduler.has_unfinished() for w in self.decode)
+        if worker.role == "decode":
+            return any(w.batch is not None for w in self.prefill)
+        return False
 
     def run(self, requests: list[SimRequest]) -> SimResult:
         if not requests:
