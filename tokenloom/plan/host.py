@@ -289,9 +289,9 @@ def fit_split_ratios(attributed: pd.DataFrame, prefill_traces: Collection[str]) 
     fraction of the step during which a worker of the other role was in a loop iteration (`peer_busy`: its
     step and the work around it, on the shared cores). The simulator's split_{prefill,decode}_ratio and
     _peer_ratio; it charges the peer part on a step that starts while the other role has work. A ratio, not
-    a cost per streaming step or per row: on the 2-core EPYC the prefill worker's steps ran 1.07-1.08 + 0.18
-    x busy their price in the calibration runs and the judged ones of plan validation runs 34 and 35 alike,
-    its decode worker's 1.14-1.17 + 0.09-0.12 x busy; the TTFT-gap term `interference_step_s` fitted 5.4 and
+    a cost per streaming step or per row: on the 2-core EPYC the prefill worker's steps ran 1.02-1.08 + 0.17-0.20
+    x busy their price in the judged runs of plan validation runs 34-36 (their calibration runs alike), its
+    decode worker's 1.08-1.17 + 0.09-0.12 x busy; the TTFT-gap term `interference_step_s` fitted 5.4 and
     6.4 ms per streaming step/s there, which priced prefill steps at 1.3-1.6x beside a 10 ms decode step
     (their measured 1.25x) and the decode worker at its price, so the split fleet's TPOT came out 12-41%
     short in run 35 and its loaded TTFT up to 56% long. Where the other role never ran beside a role's

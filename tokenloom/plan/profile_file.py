@@ -85,9 +85,9 @@ class Profile:
     # costs its price x (1 + split_prefill_ratio), + split_prefill_peer_ratio x its price when it starts while
     # a decode worker has work; a decode worker's step likewise with split_decode_ratio, and
     # split_decode_peer_ratio when it starts while a prefill worker computes. On the 2-core EPYC (plan
-    # validation runs 34-35) prefill steps ran 1.07 + 0.18 x (the fraction of the step beside decode work)
-    # their price and decode steps 1.14-1.17 + 0.09-0.12 x that fraction, in the calibration runs and the
-    # judged ones alike.
+    # validation runs 34-36) prefill steps ran 1.02-1.08 + 0.17-0.20 x (the fraction of the step beside
+    # decode work) their price and decode steps 1.08-1.17 + 0.09-0.12 x that fraction in the judged runs,
+    # their calibration runs within a few points of that.
     split_prefill_ratio: float = 0.0
     split_prefill_peer_ratio: float = 0.0
     split_decode_ratio: float = 0.0
