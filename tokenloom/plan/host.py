@@ -290,13 +290,14 @@ def fit_split_ratios(attributed: pd.DataFrame, prefill_traces: Collection[str]) 
     step and the work around it, on the shared cores). The simulator's split_{prefill,decode}_ratio and
     _peer_ratio; it charges the peer part on a step that starts while the other role has work. A ratio, not
     a cost per streaming step or per row: on the 2-core EPYC the prefill worker's steps ran 1.02-1.08 + 0.17-0.20
-    x busy their price in the judged runs of plan validation runs 34-36 (their calibration runs alike), its
-    decode worker's 1.08-1.17 + 0.09-0.12 x busy; the TTFT-gap term `interference_step_s` fitted 5.4 and
+    x busy their price in the judged runs of plan validation runs 34-36, its decode worker's 1.08-1.17 +
+    0.09-0.12 x busy (each run's calibration lines within 0.05 of its judged ones at the busy fractions the
+    calibration covers); the TTFT-gap term `interference_step_s` fitted 5.4 and
     6.4 ms per streaming step/s there, which priced prefill steps at 1.3-1.6x beside a 10 ms decode step
     (their measured 1.25x) and the decode worker at its price, so the split fleet's TPOT came out 12-41%
-    short in run 35 and its loaded TTFT up to 56% long. Where the other role never ran beside a role's
-    steps (or always did) the peer part cannot be told from the alone part: the fit then puts it all in
-    whichever column varies, which is what the simulator charges those steps anyway."""
+    short in run 35 and its loaded TTFT up to 56% long. Where a role's steps all ran beside the other
+    role's work, or none did, alone and peer cannot be told apart: the fit fixes their sum (or alone), which
+    is what the simulator charges steps in the same situation."""
     is_prefill = attributed["trace"].isin(list(prefill_traces)).to_numpy(bool)
     decode_traces = set(attributed["trace"][~is_prefill])
     beside_decode = peer_busy(attributed, decode_traces)  # for the prefill workers' steps

@@ -86,7 +86,7 @@ class Profile:
     # a decode worker has work; a decode worker's step likewise with split_decode_ratio, and
     # split_decode_peer_ratio when it starts while a prefill worker computes. On the 2-core EPYC (plan
     # validation runs 34-36) prefill steps ran 1.02-1.08 + 0.17-0.20 x (the fraction of the step beside
-    # decode work) their price and decode steps 1.08-1.17 + 0.09-0.12 x that fraction in the judged runs,
+    # decode work) their price and decode steps 1.08-1.17 + 0.09-0.12 x that fraction in the judged runs
     # (each run's calibration fit is the same kind of line, from fewer steps).
     split_prefill_ratio: float = 0.0
     split_prefill_peer_ratio: float = 0.0

@@ -182,8 +182,9 @@ class SimWorker:
         # A colocated worker's prompt chunks beside another worker's step: the profile timed them alone.
         self.chunk_ratio = profile.peer_chunk_ratio if role == "worker" and fleet.workers > 1 else 0.0
         # A split fleet's worker: its step's price x (alone, beside the other role's work) more.
-        self.split_ratio = {"prefill": (profile.split_prefill_ratio, profile.split_prefill_peer_ratio),
-                            "decode": (profile.split_decode_ratio, profile.split_decode_peer_ratio)}.get(role, (0.0, 0.0))
+        ratios = {"prefill": (profile.split_prefill_ratio, profile.split_prefill_peer_ratio),
+                  "decode": (profile.split_decode_ratio, profile.split_decode_peer_ratio)}
+        self.split_ratio = ratios.get(role, (0.0, 0.0))
         self.stream_rate = 0.0  # 1 / its step's duration while a step that streams tokens is in flight, else 0
         # A split fleet's KV handoff copies on the engine thread between steps (the profile's per-block
         # export / import times): held until then, no step starts; imports that arrive during a step wait.
