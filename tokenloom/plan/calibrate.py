@@ -278,8 +278,7 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
     used: list[dict[str, Any]] = []
     for _ in range(rounds):
         cur = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
-                      router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, peer_chunk_ratio=0.0,
-                      handoff_s=0.0, interference_step_s=0.0, **_NO_SPLIT_RATIOS)
+                      **_NO_FLEET_TERMS)
         xs, ys, used, gaps = [], [], [], []
         for (point, _), reqs in zip(points, requests):
             s = fleet_summary(simulate(cur, fleet, reqs, seed))
@@ -300,8 +299,7 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
             a, b = (float(v) for v in nnls(np.array(xs), np.array(ys)))
         req = max(0.0, float(np.mean(gaps))) if gaps else 0.0
     out = replace(profile, overhead_step_s=a, overhead_row_s=b, request_s=req, response_s=response,
-                  router_hop_s=0.0, router_step_s=0.0, router_token_s=0.0, peer_chunk_ratio=0.0,
-                  handoff_s=0.0, interference_step_s=0.0, **_NO_SPLIT_RATIOS)
+                  **_NO_FLEET_TERMS)
     log(f"single server: {a * 1e3:.2f} ms/step + {b * 1e3:.3f} ms/row; request {req * 1e3:.1f} ms, "
         f"response {response * 1e3:.1f} ms, from {len(used)} points")
     if split is not None and split[1].prefill_workers < 1:
@@ -375,9 +373,12 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
                                      "split_ratio_fit": None if split_fit is None else split_fit.line()})
 
 
-# Every split ratio at 0: the single server's and the cluster's fits simulate without them.
-_NO_SPLIT_RATIOS = {"split_prefill_ratio": 0.0, "split_prefill_peer_ratio": 0.0, "split_decode_ratio": 0.0,
-                    "split_decode_peer_ratio": 0.0}
+# Every fleet's term at 0 (the router's, the colocated workers', the split fleet's): the single server's
+# fit simulates without them, and the fleets' fits set them afresh after it.
+_NO_FLEET_TERMS = {name: 0.0 for name in ("router_hop_s", "router_step_s", "router_token_s", "peer_chunk_ratio",
+                                          "handoff_s", "interference_step_s", "split_prefill_ratio",
+                                          "split_prefill_peer_ratio", "split_decode_ratio",
+                                          "split_decode_peer_ratio")}
 
 
 def _split_ratio_fit(prof: Profile, fleet: FleetConfig, traces: list[Path]) -> tuple[SplitRatioFit, SpreadFit]:

@@ -215,12 +215,13 @@ class SimWorker:
         table = self.spread[0 if chunk else 1]
         spread = spread_factor(table, self.spread_rng.random()) if table else 1.0
         dt = self.profile.step_time(rows, spread) + self.router_step_s + self.token_s * streamed
+        # Fractions of the engine's price (no spread, no overheads), as plan/host.py fits them: a split
+        # fleet's role ratios, a colocated worker's prompt chunk beside another worker's step (fit_peer_chunks).
         alone, peer = self.split_ratio
-        if alone or peer:
-            dt += (alone + (peer if other_role_busy else 0.0)) * self.profile.cost.step_time(rows)
+        extra = alone + (peer if other_role_busy else 0.0) + (self.chunk_ratio if chunk and peer_stepping else 0.0)
+        if extra:
+            dt += extra * self.profile.cost.step_time(rows)
         if chunk:
-            if peer_stepping:  # the engine's part only, as plan/host.py fit_peer_chunks measures it
-                dt += self.chunk_ratio * self.profile.cost.step_time(rows)
             # Interference slows prompt computation (measured: a split fleet's TTFT grows with the decode
             # worker's streams); decode-only steps showed none (a 2-worker cluster's TPOT at concurrency 8).
             dt *= 1.0 + self.profile.interference_step_s * others_rate
@@ -342,19 +343,19 @@ class Simulation:
         slowed = self.profile.interference_step_s and worker.role == "prefill"
         others = sum(w.stream_rate for w in self.workers if w is not worker) if slowed else 0.0
         stepping = worker.chunk_ratio > 0 and any(w.batch is not None for w in self.workers if w is not worker)
-        dt = worker.start_step(others, stepping, self._other_role_busy(worker))
+        beside = worker.split_ratio[1] > 0 and self._other_role_busy(worker)
+        dt = worker.start_step(others, stepping, beside)
         if dt is not None:
             self._push(now + dt, _STEP_DONE, worker)
 
     def _other_role_busy(self, worker: SimWorker) -> bool:
-        """Whether a split fleet's worker of the other role has work as `worker` starts a step: a decode
+        """Whether a split fleet's worker of the other role has work as `worker` (a prefill or decode worker)
+        starts a step: a decode
         worker with a step in flight, copies, or sequences to run (a prefill step lasts many decode steps,
         and the decode worker steps on while it has sequences); a prefill worker with a step in flight."""
         if worker.role == "prefill":
             return any(w.batch is not None or w.held or w.scheduler.has_unfinished() for w in self.decode)
-        if worker.role == "decode":
-            return any(w.batch is not None for w in self.prefill)
-        return False
+        return any(w.batch is not None for w in self.prefill)
 
     def run(self, requests: list[SimRequest]) -> SimResult:
         if not requests:
