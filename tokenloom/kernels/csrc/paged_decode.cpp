@@ -151,35 +151,68 @@ static inline void context_slots(const int64_t* bt, int64_t max_blocks, int64_t 
 
 // A row of K or V (2 * kD bytes in bf16, kD as INT8 codes) sits apart from the next one, over blocks and
 // over heads within a token: the hardware prefetcher does not follow them, so each row's kBytes are
-// requested kAhead tokens before it is used (tuned: docs/performance-notes.md#paged-decode-attention).
+// requested into L1 kAhead rows before it is used, and into L2 kAheadL2 rows before (tuned:
+// docs/performance-notes.md#paged-decode-attention).
 constexpr int64_t kAhead = 16;
-template <int64_t kBytes>
-static inline void prefetch_row(const void* row) {
-  for (int64_t b = 0; b < kBytes; b += 64) _mm_prefetch(static_cast<const char*>(row) + b, _MM_HINT_T0);
+constexpr int64_t kAheadL2 = 64;
+// always_inline: a call left in attend_heads_bf16's loops clobbers the accumulators' registers, which then
+// spill on every row (one more instantiation once sent this one out of line and the kernel ran 0.65x).
+template <int64_t kBytes, _mm_hint kHint = _MM_HINT_T0>
+__attribute__((always_inline)) static inline void prefetch_row(const void* row) {
+  for (int64_t b = 0; b < kBytes; b += 64) _mm_prefetch(static_cast<const char*>(row) + b, kHint);
 }
 
-// kG query heads that share one KV head, over n context tokens whose K and V rows are bfloat16 at krow(i),
-// vrow(i) (D = kD a multiple of 32); head g's query at qg + g * kD, its output at og + g * kD:
+// The rows a call of attend_heads_bf16 reads, in the order it reads them, and what its thread reads next:
+// rows[p] for p < n is K row p, n <= p < 2n V row p - n, then up to `total` the K rows of the thread's next
+// call. The prefetches run along it, so the V pass's first rows and the next call's are in flight before
+// they are needed: the gaps between passes and items are where a stream of requests otherwise starts
+// again from nothing. A table of pointers, not a function of p: with three ranges to tell apart per row,
+// GCC split the loops by range and dropped the prefetches from the hottest piece. Ask for the rows kAhead
+// (into L1) and kAheadL2 (into L2) positions past p.
+template <int64_t kBytes>
+__attribute__((always_inline)) static inline void prefetch_ahead(const c10::BFloat16* const* rows, int64_t total,
+                                                                 int64_t p) {
+  if (p + kAhead < total) prefetch_row<kBytes>(rows[p + kAhead]);
+  if (p + kAheadL2 < total) prefetch_row<kBytes, _MM_HINT_T1>(rows[p + kAheadL2]);
+}
+
+// rows (see prefetch_ahead) for n context tokens of one KV head: K rows at k + slots[i] * stride, V rows at
+// v + slots[i] * stride, then the next call's nn K rows at next_k + next_slots[i] * stride; returns 2n + nn.
+static inline int64_t row_table(const c10::BFloat16* k, const c10::BFloat16* v, const int64_t* slots, int64_t n,
+                                int64_t stride, const c10::BFloat16* next_k, const int64_t* next_slots, int64_t nn,
+                                std::vector<const c10::BFloat16*>& rows) {
+  rows.resize(2 * n + nn);
+  for (int64_t i = 0; i < n; ++i) {
+    rows[i] = k + slots[i] * stride;
+    rows[n + i] = v + slots[i] * stride;
+  }
+  for (int64_t i = 0; i < nn; ++i) rows[2 * n + i] = next_k + next_slots[i] * stride;
+  return 2 * n + nn;
+}
+
+// kG query heads that share one KV head, over n context tokens whose K and V rows are bfloat16 at rows[i],
+// rows[n + i] (D = kD a multiple of 32); head g's query at qg + g * kD, its output at og + g * kD:
 //   scores: q_g . k_t by vdpbf16ps (bf16 products are exact in float32), four tokens per hsum4, times
 //           the softmax scale (and with kScaled each token's K scale ks[t]: q . (c s) = s (q . c));
 //   softmax: float32, normalised once at the end (out = sum_t e_t v_t / sum_t e_t);
 //   values: each bf16 row of V splits into its even and odd elements as float32 (a shift and a mask),
 //           which accumulate apart (weighted e_t, or e_t vs[t] with kScaled) and are interleaved back once.
 // Each K and V row is loaded once for all kG heads (one head at a time re-read every row G times from
-// L1/L2; docs/performance-notes.md#paged-decode-attention), and requested kAhead tokens before its use.
-// Every head's arithmetic is the same, in the same order, whatever kG is. `sc` is scratch for kG * n
-// scores.
-template <int64_t kD, bool kScaled, int kG, typename KRow, typename VRow>
-static inline void attend_heads_bf16(const c10::BFloat16* qg, KRow krow, VRow vrow, const float* ks, const float* vs,
-                                     int64_t n, float fscale, float cap, float* sc, c10::BFloat16* og) {
+// L1/L2; docs/performance-notes.md#paged-decode-attention), and requested ahead of its use along rows[0,
+// total) (prefetch_ahead). Every head's arithmetic is the same, in the same order, whatever kG is. `sc` is
+// scratch for kG * n scores.
+template <int64_t kD, bool kScaled, int kG>
+static inline void attend_heads_bf16(const c10::BFloat16* qg, const c10::BFloat16* const* rows, int64_t total,
+                                     const float* ks, const float* vs, int64_t n, float fscale, float cap, float* sc,
+                                     c10::BFloat16* og) {
   constexpr int64_t V = kD / 32;  // 512-bit vectors per bf16 row
   const __m512i odd_mask = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   __m512bh qv[kG][V];
   for (int g = 0; g < kG; ++g)
     for (int64_t v = 0; v < V; ++v) qv[g][v] = (__m512bh)_mm512_loadu_si512(qg + g * kD + 32 * v);
   auto dots = [&](int64_t i, __m512* a) {  // a[g] = the kG partial dot products of token i
-    const c10::BFloat16* k = krow(i);
-    if (i + kAhead < n) prefetch_row<kD * 2>(krow(i + kAhead));
+    const c10::BFloat16* k = rows[i];
+    prefetch_ahead<kD * 2>(rows, total, i);
     for (int g = 0; g < kG; ++g) a[g] = _mm512_setzero_ps();
     for (int64_t v = 0; v < V; ++v) {
       const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + 32 * v);
@@ -206,15 +239,14 @@ static inline void attend_heads_bf16(const c10::BFloat16* qg, KRow krow, VRow vr
     for (int g = 0; g < kG; ++g) sc[g * n + i] = _mm512_reduce_add_ps(a[g]) * fscale * (kScaled ? ks[i] : 1.f);
   }
   if (cap > 0.f) softcap_inplace(sc, kG * n, cap);  // Gemma 2: sc holds the kG heads' n scores each
-  for (int64_t j = 0; j < std::min(n, kAhead); ++j) prefetch_row<kD * 2>(vrow(j));  // V's first rows, under the softmax
   float sum[kG];
   for (int g = 0; g < kG; ++g) sum[g] = exp_minus_max(sc + g * n, n);
   __m512 even[kG][V], odd[kG][V];
   for (int g = 0; g < kG; ++g)
     for (int64_t v = 0; v < V; ++v) even[g][v] = odd[g][v] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const c10::BFloat16* row = vrow(j);
-    if (j + kAhead < n) prefetch_row<kD * 2>(vrow(j + kAhead));
+    const c10::BFloat16* row = rows[n + j];
+    prefetch_ahead<kD * 2>(rows, total, n + j);
     __m512 p[kG];
     for (int g = 0; g < kG; ++g) p[g] = _mm512_set1_ps(kScaled ? sc[g * n + j] * vs[j] : sc[g * n + j]);
     for (int64_t v = 0; v < V; ++v) {
@@ -243,20 +275,23 @@ static inline void attend_heads_bf16(const c10::BFloat16* qg, KRow krow, VRow vr
 
 // All G query heads of one KV head (q at qg, out at og, head after head), in chunks of as many heads as
 // the registers hold: 4 at D = 64 (4 heads x 4 tokens of score accumulators + 8 query vectors), 2 at
-// 128, 1 at 256.
-template <int64_t kD, bool kScaled, typename KRow, typename VRow>
-static inline void attend_group_bf16(int64_t G, const c10::BFloat16* qg, KRow krow, VRow vrow, const float* ks,
-                                     const float* vs, int64_t n, float fscale, float cap, float* sc, c10::BFloat16* og) {
+// 128, 1 at 256. rows as attend_heads_bf16's; a chunk before the last prefetches no further than its V
+// rows (the next chunk reads the same K rows again, just read).
+template <int64_t kD, bool kScaled>
+static inline void attend_group_bf16(int64_t G, const c10::BFloat16* qg, const c10::BFloat16* const* rows,
+                                     int64_t total, const float* ks, const float* vs, int64_t n, float fscale,
+                                     float cap, float* sc, c10::BFloat16* og) {
   constexpr int kMax = kD <= 64 ? 4 : kD <= 128 ? 2 : 1;
   for (int64_t g = 0; g < G;) {
     const int64_t r = std::min<int64_t>(G - g, kMax);
     const c10::BFloat16* q = qg + g * kD;
     c10::BFloat16* o = og + g * kD;
+    const int64_t t = g + r < G ? 2 * n : total;
     switch (r) {
-      case 4: if constexpr (kMax >= 4) attend_heads_bf16<kD, kScaled, 4>(q, krow, vrow, ks, vs, n, fscale, cap, sc, o); break;
-      case 3: if constexpr (kMax >= 3) attend_heads_bf16<kD, kScaled, 3>(q, krow, vrow, ks, vs, n, fscale, cap, sc, o); break;
-      case 2: if constexpr (kMax >= 2) attend_heads_bf16<kD, kScaled, 2>(q, krow, vrow, ks, vs, n, fscale, cap, sc, o); break;
-      default: attend_heads_bf16<kD, kScaled, 1>(q, krow, vrow, ks, vs, n, fscale, cap, sc, o); break;
+      case 4: if constexpr (kMax >= 4) attend_heads_bf16<kD, kScaled, 4>(q, rows, t, ks, vs, n, fscale, cap, sc, o); break;
+      case 3: if constexpr (kMax >= 3) attend_heads_bf16<kD, kScaled, 3>(q, rows, t, ks, vs, n, fscale, cap, sc, o); break;
+      case 2: if constexpr (kMax >= 2) attend_heads_bf16<kD, kScaled, 2>(q, rows, t, ks, vs, n, fscale, cap, sc, o); break;
+      default: attend_heads_bf16<kD, kScaled, 1>(q, rows, t, ks, vs, n, fscale, cap, sc, o); break;
     }
     g += r;
   }
@@ -280,17 +315,26 @@ static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, co
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> slots;
+    // The slots of the item's sequence and of the next item's (the same sequence's next KV head, or the
+    // next sequence's first), so that its K rows are requested while this item's V rows are read.
+    std::vector<int64_t> slots, next_slots;
+    std::vector<const c10::BFloat16*> rows;
     std::vector<float> scores;
+    if (begin < end) context_slots(bt, max_blocks, block_size, begin / Hkv, lens[begin / Hkv], sliding_window, next_slots);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
-      context_slots(bt, max_blocks, block_size, b, lens[b], sliding_window, slots);
+      if (item == begin || h == 0) std::swap(slots, next_slots);  // next_slots held b's
+      const int64_t nb = (item + 1) / Hkv, nh = (item + 1) % Hkv;
+      if (item + 1 < end && nh == 0)
+        context_slots(bt, max_blocks, block_size, nb, lens[nb], sliding_window, next_slots);
+      const std::vector<int64_t>& ns = nh == 0 ? next_slots : slots;
       const int64_t n = static_cast<int64_t>(slots.size());
+      const int64_t nn = item + 1 < end ? static_cast<int64_t>(ns.size()) : 0;
       scores.resize(G * n);
-      auto krow = [&](int64_t i) { return kp + slots[i] * token_stride + h * kD; };
-      auto vrow = [&](int64_t i) { return vp + slots[i] * token_stride + h * kD; };
-      attend_group_bf16<kD, false>(G, qp + (b * Hq + h * G) * kD, krow, vrow, nullptr, nullptr, n, fscale, cap,
-                                   scores.data(), op + (b * Hq + h * G) * kD);
+      const int64_t total = row_table(kp + h * kD, vp + h * kD, slots.data(), n, token_stride, kp + nh * kD,
+                                      ns.data(), nn, rows);
+      attend_group_bf16<kD, false>(G, qp + (b * Hq + h * G) * kD, rows.data(), total, nullptr, nullptr, n, fscale,
+                                   cap, scores.data(), op + (b * Hq + h * G) * kD);
     }
   });
 }
@@ -327,6 +371,7 @@ static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, co
     for (int64_t i = 0; i < n; ++i) {
       const int8_t* row = base + slots[i] * token_stride;
       if (i + kAhead < n) prefetch_row<kD>(base + slots[i + kAhead] * token_stride);  // scattered, as bf16 rows
+      if (i + kAheadL2 < n) prefetch_row<kD, _MM_HINT_T1>(base + slots[i + kAheadL2] * token_stride);
       for (int64_t v = 0; v < V; v += 2) {
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v))));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v + 16))));
@@ -343,6 +388,7 @@ static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, co
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> slots;
     std::vector<row_t> kf, vf;
+    std::vector<const c10::BFloat16*> rows;  // bfloat16 q: the scratch rows for attend_group_bf16
     std::vector<float> ks, vs, scores, qf(kD);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
@@ -360,10 +406,15 @@ static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, co
       widen_rows(vp + h * kD, slots, n, vf.data());
       scores.resize(G * n);
       if constexpr (kBF16) {
-        auto krow = [&](int64_t i) { return kf.data() + i * kD; };
-        auto vrow = [&](int64_t i) { return vf.data() + i * kD; };
-        attend_group_bf16<kD, true>(G, qp + (b * Hq + h * G) * kD, krow, vrow, ks.data(), vs.data(), n, fscale, cap,
-                                    scores.data(), op + (b * Hq + h * G) * kD);
+        // Scratch rows, in L1/L2 after widening: nothing of the next item's to request (its codes are
+        // requested by widen_rows).
+        rows.resize(2 * n);
+        for (int64_t i = 0; i < n; ++i) {
+          rows[i] = kf.data() + i * kD;
+          rows[n + i] = vf.data() + i * kD;
+        }
+        attend_group_bf16<kD, true>(G, qp + (b * Hq + h * G) * kD, rows.data(), 2 * n, ks.data(), vs.data(), n, fscale,
+                                    cap, scores.data(), op + (b * Hq + h * G) * kD);
       } else {
         for (int64_t g = 0; g < G; ++g) {
           const scalar_t* qg = qp + (b * Hq + h * G + g) * kD;
