@@ -149,6 +149,34 @@ static inline void context_slots(const int64_t* bt, int64_t max_blocks, int64_t 
   for (int64_t t = first; t < len; ++t) slots[t - first] = bt[b * max_blocks + t / block_size] * block_size + t % block_size;
 }
 
+// Run body(begin, end) over the work items (sequence b, KV head h) = b * Hkv + h, one contiguous range per
+// thread, the ranges cut at equal shares of the context tokens to read rather than of the items: at::
+// parallel_for's equal counts gave the thread holding one 4,000-token sequence among 63 of ~190 tokens
+// 1.6x the other's work, and the step waited for it (benchmarks/decode_attention.py --long-len 4000). An
+// item costs its attended tokens plus kItemCost for the rest of its work (q, softmax, output).
+constexpr int64_t kItemCost = 16;
+template <typename Body>
+static void parallel_items(const int64_t* lens, int64_t B, int64_t Hkv, int64_t sliding_window, const Body& body) {
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B * Hkv));
+  auto cost = [&](int64_t b) {
+    return (sliding_window > 0 ? std::min(lens[b], sliding_window) : lens[b]) + kItemCost;
+  };
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) total += Hkv * cost(b);
+  // bounds[p] = the first item of part p: where the running cost first reaches p / parts of the total.
+  std::vector<int64_t> bounds(parts + 1, B * Hkv);
+  bounds[0] = 0;
+  int64_t item = 0, done = 0;
+  for (int64_t p = 1; p < parts; ++p) {
+    while (item < B * Hkv && done * parts < total * p) done += cost(item++ / Hkv);
+    bounds[p] = item;
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      if (bounds[p] < bounds[p + 1]) body(bounds[p], bounds[p + 1]);
+  });
+}
+
 // A row of K or V (2 * kD bytes in bf16, kD as INT8 codes) sits apart from the next one, over blocks and
 // over heads within a token: the hardware prefetcher does not follow them, so each row's kBytes are
 // requested into L1 kAhead rows before it is used, and into L2 kAheadL2 rows before (tuned:
@@ -314,7 +342,7 @@ static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, co
   auto* op = out.data_ptr<c10::BFloat16>();
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  parallel_items(lens, B, Hkv, sliding_window, [&](int64_t begin, int64_t end) {
     // The slots of the item's sequence and of the next item's (the same sequence's next KV head, or the
     // next sequence's first), so that its K rows are requested while this item's V rows are read.
     std::vector<int64_t> slots, next_slots;
@@ -385,7 +413,7 @@ static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, co
     }
   };
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  parallel_items(lens, B, Hkv, sliding_window, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> slots;
     std::vector<row_t> kf, vf;
     std::vector<const c10::BFloat16*> rows;  // bfloat16 q: the scratch rows for attend_group_bf16
