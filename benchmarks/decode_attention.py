@@ -23,7 +23,6 @@ import time
 
 import torch
 
-from tokenloom.errors import ConfigError
 from tokenloom.kernels import load_cpu_kernels
 
 
@@ -39,13 +38,15 @@ def main() -> None:
     ap.add_argument("--cache", choices=["bf16", "int8"], default="bf16")
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
+    if min(args.users, args.layers, args.rounds) < 1:
+        ap.error("--users, --layers and --rounds must be at least 1")
     if not 0 < args.min_len <= args.max_len:
-        raise ConfigError("--min-len must be positive and at most --max-len")
+        ap.error("--min-len must be positive and at most --max-len")
     if args.long_len < 0 or not 0 <= args.long_seqs <= args.users:
-        raise ConfigError("--long-len must be >= 0 and --long-seqs between 0 and --users")
+        ap.error("--long-len must be >= 0 and --long-seqs between 0 and --users")
     kernels = load_cpu_kernels()
     if kernels is None:
-        raise ConfigError("the CPU kernels could not be built")
+        raise SystemExit("the CPU kernels could not be built (a C++ compiler and torch's headers are needed)")
 
     torch.manual_seed(0)
     hq, hkv, d, bs = 9, 3, 64, 16
