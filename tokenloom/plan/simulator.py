@@ -350,9 +350,9 @@ class Simulation:
 
     def _other_role_busy(self, worker: SimWorker) -> bool:
         """Whether a split fleet's worker of the other role has work as `worker` (a prefill or decode worker)
-        starts a step: a decode
-        worker with a step in flight, copies, or sequences to run (a prefill step lasts many decode steps,
-        and the decode worker steps on while it has sequences); a prefill worker with a step in flight."""
+        starts a step: a decode worker with a step in flight, copies, or sequences to run (a prefill step
+        lasts many decode steps, and the decode worker steps on while it has sequences); a prefill worker
+        with a step in flight."""
         if worker.role == "prefill":
             return any(w.batch is not None or w.held or w.scheduler.has_unfinished() for w in self.decode)
         return any(w.batch is not None for w in self.prefill)
