@@ -44,11 +44,13 @@ static inline void widen(const cache_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
-// s[i] = exp(s[i] - max(s)) in place, for one query head's n scores; returns their sum.
-static inline float exp_minus_max(float* s, int64_t n) {
+// s[i] = exp(s[i] - max(s)) in place, for one query head's n scores; returns their sum (and the max in
+// *max_out where given).
+static inline float exp_minus_max(float* s, int64_t n, float* max_out = nullptr) {
   float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
   for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+  if (max_out != nullptr) *max_out = m;
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) {
@@ -153,7 +155,8 @@ static inline void context_slots(const int64_t* bt, int64_t max_blocks, int64_t 
 // thread, the ranges cut at equal shares of the context tokens to read rather than of the items: at::
 // parallel_for's equal counts gave the thread holding one 4,000-token sequence among 63 of ~190 tokens
 // 1.6x the other's work, and the step waited for it (benchmarks/decode_attention.py --long-len 4000). An
-// item costs its attended tokens plus kItemCost for the rest of its work (q, softmax, output).
+// item costs its attended tokens plus kItemCost for the rest of its work (q, softmax, output). The INT8
+// kernel's split; the bfloat16 kernel's also splits long contexts (plan_pieces).
 constexpr int64_t kItemCost = 16;
 template <typename Body>
 static void parallel_items(const int64_t* lens, int64_t B, int64_t Hkv, int64_t sliding_window, const Body& body) {
@@ -175,6 +178,98 @@ static void parallel_items(const int64_t* lens, int64_t B, int64_t Hkv, int64_t 
     for (int64_t p = p0; p < p1; ++p)
       if (bounds[p] < bounds[p + 1]) body(bounds[p], bounds[p + 1]);
   });
+}
+
+// The bfloat16 kernel's split of the work, finer than parallel_items': items cut at equal shares of the
+// tokens as there, but a cut that falls inside an item's context more than max(kMinPiece, share / 16)
+// tokens from both of its ends splits that item between threads instead of moving to its nearer end. One
+// long context among fewer items than threads (one user: Hkv items; SmolLM2 has 3 for 2 threads) otherwise
+// leaves a thread idle for most of the call (flash-decoding's split of the keys). A thread's run of pieces:
+// tokens [t0, t1) of an item's n attended tokens; a piece that is not the whole item writes a partial
+// result (unnormalised output, max and sum of its scores per query head) to slot `part`, and the item's
+// pieces are combined once every thread is done (combine_partials).
+constexpr int64_t kMinPiece = 64;
+struct Piece {
+  int64_t item, t0, t1, part;  // part: -1 for a whole item
+};
+struct SplitItem {
+  int64_t item, first_part, parts;  // its pieces' slots first_part .. first_part + parts - 1, in token order
+};
+struct PiecePlan {
+  std::vector<std::vector<Piece>> runs;  // per thread, in item and token order
+  std::vector<SplitItem> splits;
+  int64_t parts = 0;  // partial slots
+};
+
+static PiecePlan plan_pieces(const int64_t* lens, int64_t B, int64_t Hkv, int64_t sliding_window) {
+  const int64_t items = B * Hkv;
+  auto tokens = [&](int64_t item) {
+    const int64_t len = lens[item / Hkv];
+    return sliding_window > 0 ? std::min(len, sliding_window) : len;
+  };
+  std::vector<int64_t> start(items + 1, 0);  // item i's work is [start[i], start[i + 1]): tokens, then kItemCost
+  for (int64_t i = 0; i < items; ++i) start[i + 1] = start[i] + tokens(i) + kItemCost;
+  const int64_t total = start[items];
+  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total / (kMinPiece + kItemCost)));
+  const int64_t share = total / T, near = std::max<int64_t>(kMinPiece, share / 16);
+  // cut[p] = (item, token) where thread p's run starts; (items, 0) ends the last.
+  std::vector<std::pair<int64_t, int64_t>> cut(T + 1, {items, 0});
+  cut[0] = {0, 0};
+  int64_t i = 0;
+  for (int64_t p = 1; p < T; ++p) {
+    const int64_t c = total * p / T;
+    while (i < items && start[i + 1] <= c) ++i;
+    if (i == items) break;
+    const int64_t t = c - start[i], n = tokens(i);
+    if (t >= near && n - t >= near) cut[p] = {i, t};
+    else cut[p] = t <= (n + kItemCost) / 2 ? std::make_pair(i, int64_t{0}) : std::make_pair(i + 1, int64_t{0});
+  }
+  PiecePlan plan;
+  plan.runs.resize(T);
+  for (int64_t p = 0; p < T; ++p) {
+    const auto [i0, t0] = cut[p];
+    const auto [i1, t1] = cut[p + 1];
+    for (int64_t it = i0; it < items && (it < i1 || (it == i1 && t1 > 0)); ++it) {
+      const int64_t a = it == i0 ? t0 : 0, b = it == i1 ? t1 : tokens(it);
+      if (a >= b) continue;
+      plan.runs[p].push_back({it, a, b, (a == 0 && b == tokens(it)) ? -1 : plan.parts++});
+    }
+  }
+  for (int64_t p = 0; p < T; ++p)  // the slots of one item are consecutive: threads run in item order
+    for (const Piece& pc : plan.runs[p])
+      if (pc.part >= 0) {
+        if (plan.splits.empty() || plan.splits.back().item != pc.item) plan.splits.push_back({pc.item, pc.part, 0});
+        ++plan.splits.back().parts;
+      }
+  return plan;
+}
+
+// Each split item's output from its pieces' partials (per query head g of its G: acc (D), max m, sum l):
+// out = sum_j exp(m_j - m) acc_j / sum_j exp(m_j - m) l_j, m = max_j m_j. A slot holds G * (D + 2)
+// floats: acc (G, D), then the G maxima, then the G sums.
+static void combine_partials(const PiecePlan& plan, int64_t Hkv, int64_t G, int64_t D, const float* partials,
+                             c10::BFloat16* out) {
+  const int64_t slot = G * (D + 2);  // (G, D) acc, then G maxima, then G sums
+  for (const SplitItem& s : plan.splits) {
+    const int64_t b = s.item / Hkv, h = s.item % Hkv, Hq = Hkv * G;
+    for (int64_t g = 0; g < G; ++g) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < s.parts; ++j) m = std::max(m, partials[(s.first_part + j) * slot + G * D + g]);
+      float l = 0.f;
+      std::vector<float> w(s.parts);
+      for (int64_t j = 0; j < s.parts; ++j) {
+        const float* ps = partials + (s.first_part + j) * slot;
+        w[j] = std::exp(ps[G * D + g] - m);
+        l += w[j] * ps[G * D + G + g];
+      }
+      c10::BFloat16* o = out + (b * Hq + h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        float acc = 0.f;
+        for (int64_t j = 0; j < s.parts; ++j) acc += w[j] * partials[(s.first_part + j) * slot + g * D + d];
+        o[d] = from_float<c10::BFloat16>(acc / l);
+      }
+    }
+  }
 }
 
 // A row of K or V (2 * kD bytes in bf16, kD as INT8 codes) sits apart from the next one, over blocks and
@@ -229,10 +324,17 @@ static inline int64_t row_table(const c10::BFloat16* k, const c10::BFloat16* v, 
 // L1/L2; docs/performance-notes.md#paged-decode-attention), and requested ahead of its use along rows[0,
 // total) (prefetch_ahead). Every head's arithmetic is the same, in the same order, whatever kG is. `sc` is
 // scratch for kG * n scores.
+// With a partial slot `pt` (a piece of a split item, plan_pieces): its (kG, kD) float outputs are left
+// unnormalised at pt, the scores' maxima at pt + G * kD and their sums at pt + G * (kD + 1) (G: the
+// slot's heads, from head g0 of the group), instead of og.
+struct Partial {
+  float* pt;
+  int64_t G, g0;
+};
 template <int64_t kD, bool kScaled, int kG>
 static inline void attend_heads_bf16(const c10::BFloat16* qg, const c10::BFloat16* const* rows, int64_t total,
                                      const float* ks, const float* vs, int64_t n, float fscale, float cap, float* sc,
-                                     c10::BFloat16* og) {
+                                     c10::BFloat16* og, const Partial* partial = nullptr) {
   constexpr int64_t V = kD / 32;  // 512-bit vectors per bf16 row
   const __m512i odd_mask = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   __m512bh qv[kG][V];
@@ -267,8 +369,8 @@ static inline void attend_heads_bf16(const c10::BFloat16* qg, const c10::BFloat1
     for (int g = 0; g < kG; ++g) sc[g * n + i] = _mm512_reduce_add_ps(a[g]) * fscale * (kScaled ? ks[i] : 1.f);
   }
   if (cap > 0.f) softcap_inplace(sc, kG * n, cap);  // Gemma 2: sc holds the kG heads' n scores each
-  float sum[kG];
-  for (int g = 0; g < kG; ++g) sum[g] = exp_minus_max(sc + g * n, n);
+  float sum[kG], mx[kG];
+  for (int g = 0; g < kG; ++g) sum[g] = exp_minus_max(sc + g * n, n, &mx[g]);
   __m512 even[kG][V], odd[kG][V];
   for (int g = 0; g < kG; ++g)
     for (int64_t v = 0; v < V; ++v) even[g][v] = odd[g][v] = _mm512_setzero_ps();
@@ -286,6 +388,24 @@ static inline void attend_heads_bf16(const c10::BFloat16* qg, const c10::BFloat1
         odd[g][v] = _mm512_fmadd_ps(p[g], xo, odd[g][v]);
       }
     }
+  }
+  if (partial != nullptr) {
+    const int64_t G = partial->G;
+    for (int g = 0; g < kG; ++g) {
+      float* pa = partial->pt + (partial->g0 + g) * kD;
+      for (int64_t v = 0; v < V; ++v) {
+        alignas(64) float e[16], o[16];
+        _mm512_store_ps(e, even[g][v]);
+        _mm512_store_ps(o, odd[g][v]);
+        for (int j = 0; j < 16; ++j) {
+          pa[32 * v + 2 * j] = e[j];
+          pa[32 * v + 2 * j + 1] = o[j];
+        }
+      }
+      partial->pt[G * kD + partial->g0 + g] = mx[g];
+      partial->pt[G * (kD + 1) + partial->g0 + g] = sum[g];
+    }
+    return;
   }
   for (int g = 0; g < kG; ++g) {
     const __m512 inv = _mm512_set1_ps(1.f / sum[g]);
@@ -305,21 +425,24 @@ static inline void attend_heads_bf16(const c10::BFloat16* qg, const c10::BFloat1
 // the registers hold: 4 at D = 64 (4 heads x 4 tokens of score accumulators + 8 query vectors), 2 at
 // 128, 1 at 256. rows as attend_heads_bf16's; a chunk before the last prefetches no further than its V
 // rows (the next chunk reads the same K rows again, just read).
+// `pt`: a piece's partial slot (attend_heads_bf16), or null to write og.
 template <int64_t kD, bool kScaled>
 static inline void attend_group_bf16(int64_t G, const c10::BFloat16* qg, const c10::BFloat16* const* rows,
                                      int64_t total, const float* ks, const float* vs, int64_t n, float fscale,
-                                     float cap, float* sc, c10::BFloat16* og) {
+                                     float cap, float* sc, c10::BFloat16* og, float* pt = nullptr) {
   constexpr int kMax = kD <= 64 ? 4 : kD <= 128 ? 2 : 1;
   for (int64_t g = 0; g < G;) {
     const int64_t r = std::min<int64_t>(G - g, kMax);
     const c10::BFloat16* q = qg + g * kD;
     c10::BFloat16* o = og + g * kD;
     const int64_t t = g + r < G ? 2 * n : total;
+    const Partial part{pt, G, g};
+    const Partial* pp = pt == nullptr ? nullptr : &part;
     switch (r) {
-      case 4: if constexpr (kMax >= 4) attend_heads_bf16<kD, kScaled, 4>(q, rows, t, ks, vs, n, fscale, cap, sc, o); break;
-      case 3: if constexpr (kMax >= 3) attend_heads_bf16<kD, kScaled, 3>(q, rows, t, ks, vs, n, fscale, cap, sc, o); break;
-      case 2: if constexpr (kMax >= 2) attend_heads_bf16<kD, kScaled, 2>(q, rows, t, ks, vs, n, fscale, cap, sc, o); break;
-      default: attend_heads_bf16<kD, kScaled, 1>(q, rows, t, ks, vs, n, fscale, cap, sc, o); break;
+      case 4: if constexpr (kMax >= 4) attend_heads_bf16<kD, kScaled, 4>(q, rows, t, ks, vs, n, fscale, cap, sc, o, pp); break;
+      case 3: if constexpr (kMax >= 3) attend_heads_bf16<kD, kScaled, 3>(q, rows, t, ks, vs, n, fscale, cap, sc, o, pp); break;
+      case 2: if constexpr (kMax >= 2) attend_heads_bf16<kD, kScaled, 2>(q, rows, t, ks, vs, n, fscale, cap, sc, o, pp); break;
+      default: attend_heads_bf16<kD, kScaled, 1>(q, rows, t, ks, vs, n, fscale, cap, sc, o, pp); break;
     }
     g += r;
   }
@@ -342,29 +465,37 @@ static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, co
   auto* op = out.data_ptr<c10::BFloat16>();
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
-  parallel_items(lens, B, Hkv, sliding_window, [&](int64_t begin, int64_t end) {
-    // The slots of the item's sequence and of the next item's (the same sequence's next KV head, or the
-    // next sequence's first), so that its K rows are requested while this item's V rows are read.
+  const PiecePlan plan = plan_pieces(lens, B, Hkv, sliding_window);
+  std::vector<float> partials(plan.parts * G * (kD + 2));
+  at::parallel_for(0, static_cast<int64_t>(plan.runs.size()), 1, [&](int64_t p0, int64_t p1) {
+    // The slots of the piece's sequence and of the next piece's (the same sequence's next KV head or part,
+    // or the next sequence's first), so that its K rows are requested while this piece's V rows are read.
     std::vector<int64_t> slots, next_slots;
     std::vector<const c10::BFloat16*> rows;
     std::vector<float> scores;
-    if (begin < end) context_slots(bt, max_blocks, block_size, begin / Hkv, lens[begin / Hkv], sliding_window, next_slots);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv;
-      if (item == begin || h == 0) std::swap(slots, next_slots);  // next_slots held b's
-      const int64_t nb = (item + 1) / Hkv, nh = (item + 1) % Hkv;
-      if (item + 1 < end && nh == 0)
-        context_slots(bt, max_blocks, block_size, nb, lens[nb], sliding_window, next_slots);
-      const std::vector<int64_t>& ns = nh == 0 ? next_slots : slots;
-      const int64_t n = static_cast<int64_t>(slots.size());
-      const int64_t nn = item + 1 < end ? static_cast<int64_t>(ns.size()) : 0;
-      scores.resize(G * n);
-      const int64_t total = row_table(kp + h * kD, vp + h * kD, slots.data(), n, token_stride, kp + nh * kD,
-                                      ns.data(), nn, rows);
-      attend_group_bf16<kD, false>(G, qp + (b * Hq + h * G) * kD, rows.data(), total, nullptr, nullptr, n, fscale,
-                                   cap, scores.data(), op + (b * Hq + h * G) * kD);
+    for (int64_t p = p0; p < p1; ++p) {
+      const std::vector<Piece>& run = plan.runs[p];
+      for (size_t j = 0; j < run.size(); ++j) {
+        const Piece& pc = run[j];
+        const int64_t b = pc.item / Hkv, h = pc.item % Hkv;
+        if (j == 0) context_slots(bt, max_blocks, block_size, b, lens[b], sliding_window, slots);
+        else if (run[j - 1].item / Hkv != b) std::swap(slots, next_slots);  // next_slots held b's
+        const Piece* next = j + 1 < run.size() ? &run[j + 1] : nullptr;
+        if (next != nullptr && next->item / Hkv != b)
+          context_slots(bt, max_blocks, block_size, next->item / Hkv, lens[next->item / Hkv], sliding_window, next_slots);
+        const std::vector<int64_t>& ns = next == nullptr || next->item / Hkv == b ? slots : next_slots;
+        const int64_t n = pc.t1 - pc.t0, nh = next == nullptr ? 0 : next->item % Hkv;
+        const int64_t nn = next == nullptr ? 0 : next->t1 - next->t0;
+        scores.resize(G * n);
+        const int64_t total = row_table(kp + h * kD, vp + h * kD, slots.data() + pc.t0, n, token_stride, kp + nh * kD,
+                                        nn == 0 ? nullptr : ns.data() + next->t0, nn, rows);
+        attend_group_bf16<kD, false>(G, qp + (b * Hq + h * G) * kD, rows.data(), total, nullptr, nullptr, n, fscale,
+                                     cap, scores.data(), op + (b * Hq + h * G) * kD,
+                                     pc.part < 0 ? nullptr : partials.data() + pc.part * G * (kD + 2));
+      }
     }
   });
+  combine_partials(plan, Hkv, G, kD, partials.data(), op);
 }
 
 // INT8 codes, D = kD a multiple of 32. Per (sequence, kv head): the context's K and V codes are widened
