@@ -177,22 +177,25 @@ def test_paged_decode_matches_reference(dtype: torch.dtype, head_dim: int, hq: i
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
-# Long contexts among fewer KV heads than threads: the bfloat16 kernel splits those items between threads
-# (csrc/paged_decode.cpp plan_pieces) and combines the pieces' partial softmaxes. Threads 1 (never split),
-# 2, 3 and 5 (an item in up to three pieces), a window and Gemma 2's softcap over a split item.
+# Long contexts among fewer KV heads than threads: the kernels split those items between threads
+# (csrc/paged_decode.cpp plan_pieces) and combine the pieces' partial softmaxes. Threads 1 (never split),
+# 2, 3 and 5 (an item in up to three pieces), a window and Gemma 2's softcap over a split item; bfloat16 q
+# over each cache kind.
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])
 @pytest.mark.parametrize("head_dim, hq, hkv", [(64, 9, 3), (64, 4, 1), (128, 4, 2)])
 @pytest.mark.parametrize("lens, window, softcap", [([1000], 0, 0.0), ([700, 9, 300], 0, 0.0),
                                                    ([900, 40], 500, 0.0), ([600], 0, 30.0)])
+@pytest.mark.parametrize("cache", ["model dtype", "int8 per token", "int8 per head"])
 def test_paged_decode_splits_long_contexts_between_threads(threads: int, head_dim: int, hq: int, hkv: int,
-                                                           lens: list[int], window: int, softcap: float) -> None:
+                                                           lens: list[int], window: int, softcap: float,
+                                                           cache: str) -> None:
     torch.manual_seed(7)
     block = 16
     num_blocks = sum(-(-n // block) for n in lens) + 2
-    kv = _cache(num_blocks, block, hkv, head_dim, torch.bfloat16, "model dtype")
+    kv = _cache(num_blocks, block, hkv, head_dim, torch.bfloat16, cache)
     kv.write(torch.randn(num_blocks * block, hkv, head_dim).bfloat16(),
              torch.randn(num_blocks * block, hkv, head_dim).bfloat16(), torch.arange(num_blocks * block))
-    perm = torch.randperm(num_blocks - 2).tolist()  # scattered blocks; the last two are scratch
+    perm = torch.randperm(num_blocks - 2).tolist()  # scattered blocks; the last two are in no table
     tables, used = [], 0
     for n in lens:
         nb = -(-n // block)
@@ -204,20 +207,19 @@ def test_paged_decode_splits_long_contexts_between_threads(threads: int, head_di
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = K.paged_decode(q, kv.k, kv.v, None, None, bt, torch.tensor(lens), head_dim**-0.5, window, softcap)
+        got = K.paged_decode(q, kv.k, kv.v, kv.k_scale, kv.v_scale, bt, torch.tensor(lens), head_dim**-0.5, window,
+                             softcap)
     finally:
         torch.set_num_threads(before)
-    # The reference: each sequence's attended K/V gathered, softmax in float64.
+    # The reference: each sequence's attended K/V as the cache holds them, softmax in float64.
+    g = hq // hkv
     for i, n in enumerate(lens):
+        k, v = (t.double().repeat_interleave(g, dim=1) for t in kv.gather(bt[i], n, torch.float32))  # (n, Hq, D)
         first = max(0, n - window) if window else 0
-        slot = torch.tensor([tables[i][t // block] * block + t % block for t in range(first, n)])
-        k = kv.k.reshape(-1, hkv, head_dim)[slot].double()  # (n, Hkv, D)
-        v = kv.v.reshape(-1, hkv, head_dim)[slot].double()
-        g = hq // hkv
-        s = torch.einsum("hd,thd->ht", q[i].double(), k.repeat_interleave(g, dim=1)) * head_dim**-0.5
+        s = torch.einsum("hd,thd->ht", q[i].double(), k[first:]) * head_dim**-0.5
         if softcap:
             s = softcap * torch.tanh(s / softcap)
-        want = torch.einsum("ht,thd->hd", s.softmax(-1), v.repeat_interleave(g, dim=1))
+        want = torch.einsum("ht,thd->hd", s.softmax(-1), v[first:])
         torch.testing.assert_close(got[i].double(), want, rtol=1.6e-2, atol=1e-2)
 
 

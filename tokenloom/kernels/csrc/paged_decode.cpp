@@ -151,43 +151,19 @@ static inline void context_slots(const int64_t* bt, int64_t max_blocks, int64_t 
   for (int64_t t = first; t < len; ++t) slots[t - first] = bt[b * max_blocks + t / block_size] * block_size + t % block_size;
 }
 
-// Run body(begin, end) over the work items (sequence b, KV head h) = b * Hkv + h, one contiguous range per
-// thread, the ranges cut at equal shares of the context tokens to read rather than of the items: at::
-// parallel_for's equal counts gave the thread holding one 4,000-token sequence among 63 of ~190 tokens
-// 1.6x the other's work, and the step waited for it (benchmarks/decode_attention.py --long-len 4000). An
-// item costs its attended tokens plus kItemCost for the rest of its work (q, softmax, output). The INT8
-// kernel's split; the bfloat16 kernel's also splits long contexts (plan_pieces).
+// The work items (sequence b, KV head h) = b * Hkv + h, cut into one run per thread at equal shares of
+// the context tokens to read rather than of the items: at::parallel_for's equal counts gave the thread
+// holding one 4,000-token sequence among 63 of ~190 tokens 1.6x the other's work, and the step waited for
+// it (benchmarks/decode_attention.py --long-len 4000). An item costs its attended tokens plus kItemCost for
+// the rest of its work (q, softmax, output). With `split`, a cut that falls inside an item's context more
+// than max(kMinPiece, share / 16) tokens from both of its ends splits that item between threads; without,
+// or nearer an end, the cut moves to the nearer end. One long context among fewer items than threads (one
+// user: Hkv items; SmolLM2 has 3 for 2 threads) otherwise leaves a thread idle for most of the call
+// (flash-decoding's split of the keys). A thread's run of pieces: tokens [t0, t1) of an item's n attended
+// tokens; a piece that is not the whole item writes a partial result (unnormalised output, max and sum
+// of its scores per query head) to slot `part`, and the item's pieces are combined once every thread is
+// done (combine_partials).
 constexpr int64_t kItemCost = 16;
-template <typename Body>
-static void parallel_items(const int64_t* lens, int64_t B, int64_t Hkv, int64_t sliding_window, const Body& body) {
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B * Hkv));
-  auto cost = [&](int64_t b) {
-    return (sliding_window > 0 ? std::min(lens[b], sliding_window) : lens[b]) + kItemCost;
-  };
-  int64_t total = 0;
-  for (int64_t b = 0; b < B; ++b) total += Hkv * cost(b);
-  // bounds[p] = the first item of part p: where the running cost first reaches p / parts of the total.
-  std::vector<int64_t> bounds(parts + 1, B * Hkv);
-  bounds[0] = 0;
-  int64_t item = 0, done = 0;
-  for (int64_t p = 1; p < parts; ++p) {
-    while (item < B * Hkv && done * parts < total * p) done += cost(item++ / Hkv);
-    bounds[p] = item;
-  }
-  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      if (bounds[p] < bounds[p + 1]) body(bounds[p], bounds[p + 1]);
-  });
-}
-
-// The bfloat16 kernel's split of the work, finer than parallel_items': items cut at equal shares of the
-// tokens as there, but a cut that falls inside an item's context more than max(kMinPiece, share / 16)
-// tokens from both of its ends splits that item between threads instead of moving to its nearer end. One
-// long context among fewer items than threads (one user: Hkv items; SmolLM2 has 3 for 2 threads) otherwise
-// leaves a thread idle for most of the call (flash-decoding's split of the keys). A thread's run of pieces:
-// tokens [t0, t1) of an item's n attended tokens; a piece that is not the whole item writes a partial
-// result (unnormalised output, max and sum of its scores per query head) to slot `part`, and the item's
-// pieces are combined once every thread is done (combine_partials).
 constexpr int64_t kMinPiece = 64;
 struct Piece {
   int64_t item, t0, t1, part;  // part: -1 for a whole item
@@ -201,7 +177,10 @@ struct PiecePlan {
   int64_t parts = 0;  // partial slots
 };
 
-static PiecePlan plan_pieces(const int64_t* lens, int64_t B, int64_t Hkv, int64_t sliding_window) {
+// `max_piece` > 0 (with `split`) also cuts every piece into pieces of at most that many tokens, for a kernel
+// whose scratch grows with a piece's tokens (the INT8 cache's widened rows).
+static PiecePlan plan_pieces(const int64_t* lens, int64_t B, int64_t Hkv, int64_t sliding_window, bool split,
+                             int64_t max_piece = 0) {
   const int64_t items = B * Hkv;
   auto tokens = [&](int64_t item) {
     const int64_t len = lens[item / Hkv];
@@ -221,7 +200,7 @@ static PiecePlan plan_pieces(const int64_t* lens, int64_t B, int64_t Hkv, int64_
     while (i < items && start[i + 1] <= c) ++i;
     if (i == items) break;
     const int64_t t = c - start[i], n = tokens(i);
-    if (t >= near && n - t >= near) cut[p] = {i, t};
+    if (split && t >= near && n - t >= near) cut[p] = {i, t};
     else cut[p] = t <= (n + kItemCost) / 2 ? std::make_pair(i, int64_t{0}) : std::make_pair(i + 1, int64_t{0});
   }
   PiecePlan plan;
@@ -232,6 +211,11 @@ static PiecePlan plan_pieces(const int64_t* lens, int64_t B, int64_t Hkv, int64_
     for (int64_t it = i0; it < items && (it < i1 || (it == i1 && t1 > 0)); ++it) {
       const int64_t a = it == i0 ? t0 : 0, b = it == i1 ? t1 : tokens(it);
       if (a >= b) continue;
+      if (split && max_piece > 0 && b - a > max_piece) {
+        const int64_t k = (b - a + max_piece - 1) / max_piece;  // k pieces of near-equal length
+        for (int64_t j = 0; j < k; ++j) plan.runs[p].push_back({it, a + (b - a) * j / k, a + (b - a) * (j + 1) / k, plan.parts++});
+        continue;
+      }
       plan.runs[p].push_back({it, a, b, (a == 0 && b == tokens(it)) ? -1 : plan.parts++});
     }
   }
@@ -465,7 +449,7 @@ static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, co
   auto* op = out.data_ptr<c10::BFloat16>();
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
-  const PiecePlan plan = plan_pieces(lens, B, Hkv, sliding_window);
+  const PiecePlan plan = plan_pieces(lens, B, Hkv, sliding_window, /*split=*/true);
   std::vector<float> partials(plan.parts * G * (kD + 2));
   at::parallel_for(0, static_cast<int64_t>(plan.runs.size()), 1, [&](int64_t p0, int64_t p1) {
     // The slots of the piece's sequence and of the next piece's (the same sequence's next KV head or part,
@@ -526,7 +510,7 @@ static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, co
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
   // (n, kD) int8 rows at `base` + slots[i] * token_stride -> (n, kD) row_t
-  auto widen_rows = [&](const int8_t* base, const std::vector<int64_t>& slots, int64_t n, row_t* dst) {
+  auto widen_rows = [&](const int8_t* base, const int64_t* slots, int64_t n, row_t* dst) {
     for (int64_t i = 0; i < n; ++i) {
       const int8_t* row = base + slots[i] * token_stride;
       if (i + kAhead < n) prefetch_row<kD>(base + slots[i + kAhead] * token_stride);  // scattered, as bf16 rows
@@ -544,73 +528,85 @@ static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, co
     }
   };
 
-  parallel_items(lens, B, Hkv, sliding_window, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> slots;
+  // bfloat16 q splits long contexts as the bfloat16 kernel does (plan_pieces), and into pieces of at most
+  // kScratch bytes of widened K and V rows: a whole 4,000-token context's (1 MB at D = 64) left L2 and
+  // went to memory and back, ~3x the time per row of short contexts. Other q dtypes take whole items.
+  constexpr int64_t kScratch = 256 * 1024;
+  const PiecePlan plan = plan_pieces(lens, B, Hkv, sliding_window, /*split=*/kBF16, kScratch / (2 * kD * 2));
+  std::vector<float> partials(plan.parts * G * (kD + 2));
+  at::parallel_for(0, static_cast<int64_t>(plan.runs.size()), 1, [&](int64_t p0, int64_t p1) {
+    std::vector<int64_t> all;
     std::vector<row_t> kf, vf;
     std::vector<const c10::BFloat16*> rows;  // bfloat16 q: the scratch rows for attend_group_bf16
     std::vector<float> ks, vs, scores, qf(kD);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv;
-      context_slots(bt, max_blocks, block_size, b, lens[b], sliding_window, slots);
-      const int64_t n = static_cast<int64_t>(slots.size());
-      ks.resize(n);
-      vs.resize(n);
-      for (int64_t i = 0; i < n; ++i) {
-        ks[i] = static_cast<float>(k_scale[slots[i] * scale_stride + h]);
-        vs[i] = static_cast<float>(v_scale[slots[i] * scale_stride + h]);
-      }
-      kf.resize(n * kD);
-      vf.resize(n * kD);
-      widen_rows(kp + h * kD, slots, n, kf.data());
-      widen_rows(vp + h * kD, slots, n, vf.data());
-      scores.resize(G * n);
-      if constexpr (kBF16) {
-        // Scratch rows, in L1/L2 after widening: nothing of the next item's to request (its codes are
-        // requested by widen_rows).
-        rows.resize(2 * n);
+    for (int64_t th = p0; th < p1; ++th) {
+      for (const Piece& pc : plan.runs[th]) {
+        const int64_t b = pc.item / Hkv, h = pc.item % Hkv;
+        context_slots(bt, max_blocks, block_size, b, lens[b], sliding_window, all);
+        const int64_t* slots = all.data() + pc.t0;
+        const int64_t n = pc.t1 - pc.t0;
+        ks.resize(n);
+        vs.resize(n);
         for (int64_t i = 0; i < n; ++i) {
-          rows[i] = kf.data() + i * kD;
-          rows[n + i] = vf.data() + i * kD;
+          ks[i] = static_cast<float>(k_scale[slots[i] * scale_stride + h]);
+          vs[i] = static_cast<float>(v_scale[slots[i] * scale_stride + h]);
         }
-        attend_group_bf16<kD, true>(G, qp + (b * Hq + h * G) * kD, rows.data(), 2 * n, ks.data(), vs.data(), n, fscale,
-                                    cap, scores.data(), op + (b * Hq + h * G) * kD);
-      } else {
-        for (int64_t g = 0; g < G; ++g) {
-          const scalar_t* qg = qp + (b * Hq + h * G + g) * kD;
-          for (int64_t d = 0; d < kD; ++d) qf[d] = to_float(qg[d]) * fscale;
-          __m512 qv[V];
-          for (int64_t v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(qf.data() + 16 * v);
-          auto dot = [&](int64_t i) {
-            const float* k = kf.data() + i * kD;
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(k), qv[0]);
-            for (int64_t v = 1; v < V; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(k + 16 * v), qv[v], a);
-            return a;
-          };
-          float* sc = scores.data();
-          int64_t i = 0;
-          for (; i + 4 <= n; i += 4)
-            _mm_storeu_ps(sc + i, _mm_mul_ps(hsum4(dot(i), dot(i + 1), dot(i + 2), dot(i + 3)), _mm_loadu_ps(ks.data() + i)));
-          for (; i < n; ++i) sc[i] = _mm512_reduce_add_ps(dot(i)) * ks[i];
-          if (cap > 0.f) softcap_inplace(sc, n, cap);
-          const float sum = exp_minus_max(sc, n);
-          __m512 acc[V];
-          for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
-          for (int64_t j = 0; j < n; ++j) {
-            const __m512 p = _mm512_set1_ps(sc[j] * vs[j]);
-            const float* row = vf.data() + j * kD;
-            for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(row + 16 * v), acc[v]);
+        kf.resize(n * kD);
+        vf.resize(n * kD);
+        widen_rows(kp + h * kD, slots, n, kf.data());
+        widen_rows(vp + h * kD, slots, n, vf.data());
+        scores.resize(G * n);
+        if constexpr (kBF16) {
+          // Scratch rows, in L1/L2 after widening: nothing of the next item's to request (its codes are
+          // requested by widen_rows).
+          rows.resize(2 * n);
+          for (int64_t i = 0; i < n; ++i) {
+            rows[i] = kf.data() + i * kD;
+            rows[n + i] = vf.data() + i * kD;
           }
-          const __m512 inv = _mm512_set1_ps(1.f / sum);
-          scalar_t* og = op + (b * Hq + h * G + g) * kD;
-          for (int64_t v = 0; v < V; ++v) {
-            alignas(64) float o[16];
-            _mm512_store_ps(o, _mm512_mul_ps(acc[v], inv));
-            for (int j = 0; j < 16; ++j) og[16 * v + j] = from_float<scalar_t>(o[j]);
+          attend_group_bf16<kD, true>(G, qp + (b * Hq + h * G) * kD, rows.data(), 2 * n, ks.data(), vs.data(), n,
+                                      fscale, cap, scores.data(), op + (b * Hq + h * G) * kD,
+                                      pc.part < 0 ? nullptr : partials.data() + pc.part * G * (kD + 2));
+        } else {
+          for (int64_t g = 0; g < G; ++g) {
+            const scalar_t* qg = qp + (b * Hq + h * G + g) * kD;
+            for (int64_t d = 0; d < kD; ++d) qf[d] = to_float(qg[d]) * fscale;
+            __m512 qv[V];
+            for (int64_t v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(qf.data() + 16 * v);
+            auto dot = [&](int64_t i) {
+              const float* k = kf.data() + i * kD;
+              __m512 a = _mm512_mul_ps(_mm512_loadu_ps(k), qv[0]);
+              for (int64_t v = 1; v < V; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(k + 16 * v), qv[v], a);
+              return a;
+            };
+            float* sc = scores.data();
+            int64_t i = 0;
+            for (; i + 4 <= n; i += 4)
+              _mm_storeu_ps(sc + i, _mm_mul_ps(hsum4(dot(i), dot(i + 1), dot(i + 2), dot(i + 3)),
+                                             _mm_loadu_ps(ks.data() + i)));
+            for (; i < n; ++i) sc[i] = _mm512_reduce_add_ps(dot(i)) * ks[i];
+            if (cap > 0.f) softcap_inplace(sc, n, cap);
+            const float sum = exp_minus_max(sc, n);
+            __m512 acc[V];
+            for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < n; ++j) {
+              const __m512 p = _mm512_set1_ps(sc[j] * vs[j]);
+              const float* row = vf.data() + j * kD;
+              for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(row + 16 * v), acc[v]);
+            }
+            const __m512 inv = _mm512_set1_ps(1.f / sum);
+            scalar_t* og = op + (b * Hq + h * G + g) * kD;
+            for (int64_t v = 0; v < V; ++v) {
+              alignas(64) float o[16];
+              _mm512_store_ps(o, _mm512_mul_ps(acc[v], inv));
+              for (int j = 0; j < 16; ++j) og[16 * v + j] = from_float<scalar_t>(o[j]);
+            }
           }
         }
       }
     }
   });
+  if constexpr (kBF16) combine_partials(plan, Hkv, G, kD, partials.data(), op);
 }
 #endif  // TOKENLOOM_PAGED_BF16
 
