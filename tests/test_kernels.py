@@ -178,9 +178,10 @@ def test_paged_decode_matches_reference(dtype: torch.dtype, head_dim: int, hq: i
 
 
 # Long contexts among fewer KV heads than threads: the kernels split those items between threads
-# (csrc/paged_decode.cpp plan_pieces) and combine the pieces' partial softmaxes. Threads 1 (never split),
-# 2, 3 and 5 (an item in up to three pieces), a window and Gemma 2's softcap over a split item; bfloat16 q
-# over each cache kind.
+# (csrc/paged_decode.cpp plan_pieces) and combine the pieces' partial softmaxes. Threads 1 (one run: only
+# the INT8 cache's cut into pieces of at most 256 KB of widened rows, 512 tokens at D = 128), 2, 3 and 5
+# (an item in up to three pieces, more with INT8), a window and Gemma 2's softcap over a split item;
+# bfloat16 q over each cache kind.
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])
 @pytest.mark.parametrize("head_dim, hq, hkv", [(64, 9, 3), (64, 4, 1), (128, 4, 2)])
 @pytest.mark.parametrize("lens, window, softcap", [([1000], 0, 0.0), ([700, 9, 300], 0, 0.0),

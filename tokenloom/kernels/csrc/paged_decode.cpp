@@ -10,7 +10,8 @@
 // softcap:      0, or Gemma 2's attention logit cap: each scaled score s -> softcap * tanh(s / softcap)
 //               before the softmax (dtype.h softcap_inplace; a pass over the scores only when set)
 //
-// Work is split over (sequence, kv head) pairs; the G = Hq / Hkv query heads that share a KV head are
+// Work is split over (sequence, kv head) pairs, a long context's between threads too (plan_pieces: its
+// pieces' partial softmaxes are combined); the G = Hq / Hkv query heads that share a KV head are
 // processed together so each K/V row is read from memory once. Scores and the softmax are in float32.
 // With an INT8 cache a row's scale is applied once per row, not per element: q . (c * s) = s * (q . c),
 // and p * (c * s) = (p * s) * c.
@@ -530,7 +531,7 @@ static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, co
 
   // bfloat16 q splits long contexts as the bfloat16 kernel does (plan_pieces), and into pieces of at most
   // kScratch bytes of widened K and V rows: a whole 4,000-token context's (1 MB at D = 64) left L2 and
-  // went to memory and back, ~3x the time per row of short contexts. Other q dtypes take whole items.
+  // went to memory and back, ~2.4x the time per row of short contexts. Other q dtypes take whole items.
   constexpr int64_t kScratch = 256 * 1024;
   const PiecePlan plan = plan_pieces(lens, B, Hkv, sliding_window, /*split=*/kBF16, kScratch / (2 * kD * 2));
   std::vector<float> partials(plan.parts * G * (kD + 2));
