@@ -159,14 +159,7 @@ def test_paged_decode_matches_reference(dtype: torch.dtype, head_dim: int, hq: i
     kv.write(torch.randn(num_blocks * block, hkv, head_dim).to(dtype),
              torch.randn(num_blocks * block, hkv, head_dim).to(dtype), everything)
     lens = [1, 7, 16, 23, 5, 158]  # a remainder of 1..3 tokens after groups of four; a long one
-    perm = torch.randperm(num_blocks - 2).tolist()  # the last two blocks are scratch, in no table
-    tables, used = [], 0
-    for n in lens:
-        nb = -(-n // block)
-        tables.append(perm[used : used + nb])
-        used += nb
-    width = max(len(r) for r in tables)
-    bt = torch.tensor([r + [0] * (width - len(r)) for r in tables])
+    bt = _scattered_tables(lens, block, num_blocks - 2)  # the last two blocks are scratch, in no table
     q = torch.randn(len(lens), hq, head_dim).to(dtype)
     got = K.paged_decode(q, kv.k, kv.v, kv.k_scale, kv.v_scale, bt, torch.tensor(lens), head_dim**-0.5, window or 0)
     # The reference writes the new tokens' K/V first: send them to the scratch block, read by no one.
@@ -196,14 +189,7 @@ def test_paged_decode_splits_long_contexts_between_threads(threads: int, head_di
     kv = _cache(num_blocks, block, hkv, head_dim, torch.bfloat16, cache)
     kv.write(torch.randn(num_blocks * block, hkv, head_dim).bfloat16(),
              torch.randn(num_blocks * block, hkv, head_dim).bfloat16(), torch.arange(num_blocks * block))
-    perm = torch.randperm(num_blocks - 2).tolist()  # scattered blocks; the last two are in no table
-    tables, used = [], 0
-    for n in lens:
-        nb = -(-n // block)
-        tables.append(perm[used : used + nb])
-        used += nb
-    width = max(len(r) for r in tables)
-    bt = torch.tensor([r + [0] * (width - len(r)) for r in tables])
+    bt = _scattered_tables(lens, block, num_blocks - 2)  # the last two blocks are in no table
     q = (torch.randn(len(lens), hq, head_dim) * 3).bfloat16()  # peaked softmaxes: the pieces' maxima differ
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -249,6 +235,19 @@ def test_write_kv_is_bit_identical_to_the_cache_write(dtype: torch.dtype, cache:
         assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match="out of range"):
         K.write_kv(k[:1], v[:1], got.k, got.v, torch.tensor([48]))
+
+
+def _scattered_tables(lens: list[int], block: int, usable: int) -> torch.Tensor:
+    """Block tables (len(lens), max blocks), zero-padded: each sequence's blocks drawn from a random
+    permutation of blocks 0..usable-1 (scattered, as a pool hands them out)."""
+    perm = torch.randperm(usable).tolist()
+    tables, used = [], 0
+    for n in lens:
+        nb = -(-n // block)
+        tables.append(perm[used : used + nb])
+        used += nb
+    width = max(len(r) for r in tables)
+    return torch.tensor([r + [0] * (width - len(r)) for r in tables])
 
 
 def _cache(num_blocks: int, block: int, hkv: int, head_dim: int, dtype: torch.dtype, kind: str) -> LayerKVCache:

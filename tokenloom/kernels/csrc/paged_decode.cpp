@@ -235,13 +235,14 @@ static PiecePlan plan_pieces(const int64_t* lens, int64_t B, int64_t Hkv, int64_
 static void combine_partials(const PiecePlan& plan, int64_t Hkv, int64_t G, int64_t D, const float* partials,
                              c10::BFloat16* out) {
   const int64_t slot = G * (D + 2);  // (G, D) acc, then G maxima, then G sums
+  std::vector<float> w;  // each piece's weight exp(m_j - m)
   for (const SplitItem& s : plan.splits) {
     const int64_t b = s.item / Hkv, h = s.item % Hkv, Hq = Hkv * G;
     for (int64_t g = 0; g < G; ++g) {
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < s.parts; ++j) m = std::max(m, partials[(s.first_part + j) * slot + G * D + g]);
       float l = 0.f;
-      std::vector<float> w(s.parts);
+      w.resize(s.parts);
       for (int64_t j = 0; j < s.parts; ++j) {
         const float* ps = partials + (s.first_part + j) * slot;
         w[j] = std::exp(ps[G * D + g] - m);
