@@ -14,7 +14,8 @@ import pytest
 from tokenloom.cli import main
 from tokenloom.config import EngineConfig
 from tokenloom.errors import ConfigError
-from tokenloom.plan.cost_model import FEATURES, FEATURES_V1, FEATURES_V2, LinearStepCost, features, nnls
+from tokenloom.kernels.limits import SKINNY_MAX_ROWS
+from tokenloom.plan.cost_model import FEATURES, FEATURES_V1, FEATURES_V2, FEATURES_V3, LinearStepCost, features, nnls
 from tokenloom.plan.hardware import SPECS, ModelShape, RooflineStepCost, load_model_shape
 from tokenloom.plan.profile import ProfileGrid, profile_engine
 from tokenloom.plan.profile_file import Profile
@@ -30,7 +31,7 @@ def random_rows(rng: random.Random) -> list[tuple[int, int]]:
 
 def test_fit_recovers_known_coefficients() -> None:
     rng = random.Random(0)
-    true = LinearStepCost((0.004, 2e-5, 1e-4, 3e-8, 1e-9, 0.01, 2e-4, 5e-10, 6e-4, 3e-4))
+    true = LinearStepCost((0.004, 2e-5, 1e-4, 3e-8, 1e-9, 0.01, 2e-4, 5e-10, 6e-4, 3e-4, 2e-3))
     samples = [(rows, true.step_time(rows)) for rows in (random_rows(rng) for _ in range(60))]
     got = LinearStepCost.fit(samples)
     assert got.coef == pytest.approx(true.coef, rel=1e-6)
@@ -39,20 +40,24 @@ def test_fit_recovers_known_coefficients() -> None:
 def test_features_by_hand() -> None:
     # 2 decodes at contexts 9 and 19 (they attend to 10 and 20 keys) and a 4-token chunk after 6 computed:
     # pairs 4 * (6 + 2.5) = 34; no fresh chunk.
-    assert features([(1, 9), (1, 19), (4, 6)]) == [1.0, 6.0, 3.0, 30.0, 34.0, 1.0, 1.0, 0.0, 6.0, 6.0]
-    assert features([(1, 9)]) == [1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    assert features([(1, 9), (1, 19), (4, 6)]) == [1.0, 6.0, 3.0, 30.0, 34.0, 1.0, 1.0, 0.0, 6.0, 6.0, 0.0]
+    assert features([(1, 9)]) == [1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0]
     # A fresh 4-token prompt (nothing computed before): pairs 4 * 5 / 2 = 10, all of them fresh.
-    assert features([(4, 0), (1, 9)]) == [1.0, 5.0, 2.0, 10.0, 10.0, 1.0, 1.0, 10.0, 5.0, 5.0]
+    assert features([(4, 0), (1, 9)]) == [1.0, 5.0, 2.0, 10.0, 10.0, 1.0, 1.0, 10.0, 5.0, 5.0, 0.0]
     # 40 decode rows: the tokens past 16 leave the first hinge; a 100-token chunk beside them both.
-    assert features([(1, 0)] * 40)[8:] == [16.0, 40.0]
-    assert features([(1, 0)] * 40 + [(100, 0)])[8:] == [16.0, 64.0]
-    assert len(FEATURES) == 10
+    assert features([(1, 0)] * 40)[8:] == [16.0, 40.0, 1.0]
+    assert features([(1, 0)] * 40 + [(100, 0)])[8:] == [16.0, 64.0, 1.0]
+    # The few-row kernels' last row count, and one more: the step past them.
+    assert features([(1, 0)] * SKINNY_MAX_ROWS)[10] == 0.0
+    assert features([(1, 0)] * (SKINNY_MAX_ROWS + 1))[10] == 1.0
+    assert features([(SKINNY_MAX_ROWS + 1, 0)])[10] == 1.0  # a chunk's rows reach the matmuls the same way
+    assert len(FEATURES) == 11
 
 
 def test_matmul_cost_is_concave_in_the_rows() -> None:
     # Slopes 1.3 ms a row up to 16 tokens, 0.8 up to 64, 0.45 past it (the 2-core Xeon's served decode steps,
     # rounded): the tokens coefficient is the last slope, each hinge adds the difference below its knot.
-    cost = LinearStepCost((0.004, 4.5e-4, 0, 0, 0, 0, 0, 0, 5e-4, 3.5e-4))
+    cost = LinearStepCost((0.004, 4.5e-4, 0, 0, 0, 0, 0, 0, 5e-4, 3.5e-4, 0))
     t = {r: cost.step_time([(1, 0)] * r) for r in (1, 16, 64, 128)}
     assert t[1] == pytest.approx(0.004 + 1.3e-3)
     assert (t[16] - t[1]) / 15 == pytest.approx(1.3e-3)
@@ -64,13 +69,28 @@ def test_matmul_cost_is_concave_in_the_rows() -> None:
     assert LinearStepCost.fit(samples).coef == pytest.approx(cost.coef, abs=1e-9)
 
 
+def test_fit_prices_the_step_past_the_few_row_kernels() -> None:
+    # Decode steps timed by a cost with a 3 ms jump past SKINNY_MAX_ROWS rows (the embedded Q4_1 model's
+    # profiled 8 -> 9-row steps on the 2-core EPYC: 17.9 -> 22.5 ms): the fit finds the jump and prices
+    # the rows on either side of it by the same slopes, where a line through them would price the few-row
+    # steps high and the next ones low.
+    cost = LinearStepCost((0.004, 4.5e-4, 0, 0, 0, 0, 0, 0, 5e-4, 3.5e-4, 3e-3))
+    counts = (1, 2, 4, 6, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 12, 16, 24, 32, 48, 64, 96, 128)
+    samples = [([(1, 0)] * r, cost.step_time([(1, 0)] * r)) for r in counts]
+    samples += [([(n, 0)], cost.step_time([(n, 0)])) for n in (16, 64, 256)]
+    got = LinearStepCost.fit(samples)
+    assert got.coef == pytest.approx(cost.coef, abs=1e-9)
+    jump = got.step_time([(1, 0)] * (SKINNY_MAX_ROWS + 1)) - got.step_time([(1, 0)] * SKINNY_MAX_ROWS)
+    assert jump == pytest.approx(3e-3 + 1.3e-3)  # the step and one row's slope below 16 tokens (1.3 ms)
+
+
 def test_fit_prices_lone_prefills_by_chunk_size() -> None:
     # The profile grid's lone prefills (fresh prompts of 16 .. 512 tokens, and chunks of those sizes after a
     # cached context) beside decode and mixed steps, timed by a known cost: the fit recovers every
     # coefficient, so a lone prefill's time grows with its chunk as the known cost does, faster than
     # linearly (the fresh chunk's causal pairs), and no constant stands in for it.
     rng = random.Random(2)
-    true = LinearStepCost((0.005, 6e-4, 3e-4, 7e-7, 1.3e-6, 0.004, 1e-3, 6.5e-7, 0.0, 0.0))
+    true = LinearStepCost((0.005, 6e-4, 3e-4, 7e-7, 1.3e-6, 0.004, 1e-3, 6.5e-7, 0.0, 0.0, 0.0))
     lone = [[(n, c)] for n in (16, 64, 128, 256, 512) for c in (0, 128, 512, 1024)]
     mixed = [[(1, rng.randrange(100, 2000)) for _ in range(rng.randrange(1, 64))] + [(16, rng.randrange(100, 1000))]
              for _ in range(12)]
@@ -91,24 +111,30 @@ def test_fit_prices_lone_prefills_by_chunk_size() -> None:
 def test_profiles_of_the_previous_features_load_and_others_fail(tmp_path: Path) -> None:
     old = {"kind": "linear", "features": list(FEATURES_V1), "coef": [0.004, 2e-5, 1e-4, 3e-8, 1e-9, 0.01, 2e-4]}
     cost = LinearStepCost.from_json(old)
-    assert cost.coef == (0.004, 2e-5, 1e-4, 3e-8, 1e-9, 0.01, 2e-4, 0.0, 0.0, 0.0)
+    assert cost.coef == (0.004, 2e-5, 1e-4, 3e-8, 1e-9, 0.01, 2e-4, 0.0, 0.0, 0.0, 0.0)
     rows = [(128, 0), (1, 40)]  # a fresh chunk: the features the old profile lacks cost it nothing
     assert cost.step_time(rows) == pytest.approx(float(np.dot(old["coef"], features(rows)[:7])), rel=1e-12)
     assert LinearStepCost.from_json(cost.to_json()) == cost
     v2 = {"kind": "linear", "features": list(FEATURES_V2), "coef": [0.004, 2e-5, 1e-4, 3e-8, 1e-9, 0.01, 2e-4, 5e-7]}
     cost = LinearStepCost.from_json(v2)
     assert cost.step_time(rows) == pytest.approx(float(np.dot(v2["coef"], features(rows)[:8])), rel=1e-12)
+    v3 = {"kind": "linear", "features": list(FEATURES_V3), "coef": [0.004, 2e-5, 1e-4, 3e-8, 1e-9, 0.01, 2e-4, 5e-7,
+                                                                     6e-4, 3e-4]}
+    cost = LinearStepCost.from_json(v3)
+    assert cost.step_time(rows) == pytest.approx(float(np.dot(v3["coef"], features(rows)[:10])), rel=1e-12)
     with pytest.raises(ConfigError, match="plan profile"):
         LinearStepCost.from_json({"kind": "linear", "features": ["fixed", "tokens"], "coef": [0.1, 0.2]})
     with pytest.raises(ConfigError, match="plan profile"):  # the old names with a coefficient too many
         LinearStepCost.from_json({"kind": "linear", "features": list(FEATURES_V1), "coef": [0.0] * 8})
     with pytest.raises(ConfigError, match="plan profile"):
         LinearStepCost.from_json({"kind": "linear", "features": list(FEATURES_V2), "coef": [0.0] * 10})
+    with pytest.raises(ConfigError, match="plan profile"):
+        LinearStepCost.from_json({"kind": "linear", "features": list(FEATURES_V3), "coef": [0.0] * 11})
 
 
 def test_robust_fit_leaves_out_steps_slowed_by_other_processes() -> None:
     rng = random.Random(1)
-    true = LinearStepCost((0.004, 2e-5, 1e-4, 3e-8, 1e-9, 0.01, 2e-4, 5e-10, 6e-4, 3e-4))
+    true = LinearStepCost((0.004, 2e-5, 1e-4, 3e-8, 1e-9, 0.01, 2e-4, 5e-10, 6e-4, 3e-4, 2e-3))
     samples = [(rows, true.step_time(rows)) for rows in (random_rows(rng) for _ in range(60))]
     slowed = {3, 17, 40}
     noisy = [(rows, t * 10 if i in slowed else t) for i, (rows, t) in enumerate(samples)]

@@ -146,7 +146,7 @@ def _light_bench_folder(folder: Path) -> Path:
     return folder
 
 
-COST = LinearStepCost(tuple([5e-3, 1e-3, 2e-4, 1e-6, 2e-6, 4e-3, 1e-3, 1e-6, 5e-4, 2e-4][: len(FEATURES)]))
+COST = LinearStepCost(tuple([5e-3, 1e-3, 2e-4, 1e-6, 2e-6, 4e-3, 1e-3, 1e-6, 5e-4, 2e-4, 1e-3][: len(FEATURES)]))
 
 
 def test_host_fit_recovers_known_overheads(tmp_path: Path) -> None:

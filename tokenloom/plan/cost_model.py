@@ -22,14 +22,22 @@ features are what dominates each phase of a CPU/GPU step:
   (one line through 1..128 rows priced 1-4-row steps high and 16-32-row steps low on the 2-core Xeon:
   served 1 / 8 / 16 / 32 / 64 / 128 rows took 5.2 / 14.2 / 26.1 / 42.2 / 66.7 / 96.1 ms, 1.3 ms a row up to
   16, 0.8 from 32 to 64, 0.45 past 64). Non-negative coefficients keep it non-decreasing.
+- past_skinny: 1 when the flat batch has more than SKINNY_MAX_ROWS (kernels/limits.py) rows: the CPU
+  kernels' few-row matmuls serve up to that many rows, a bigger batch goes to the tiles, which quantize x
+  and fill the LM head's int8 panel first, a fixed cost a step. A step, not a slope: the embedded Q4_1
+  SmolLM2's profiled decode steps on the 2-core EPYC took 17.9 ms at 8 rows and 22.5 at 9 (7 -> 8 rows:
+  +1.7 ms). Without it the fit spread the jump over its neighbours: steps of 9-16 rows ran 1.08-1.14x
+  their price and those of 1-8 rows 0.92-0.96x, in every set-up's served traces (plan validation run 38),
+  and a split fleet's decode ratio, one constant over its steps' rows, priced its 1-2-row light-load steps
+  by its 16-row calibration steps (its TPOT +22%).
 So a lone prefill of n tokens costs fixed + has_chunk + rows + chunk_rows + n x tokens + quadratic terms
 in n: its cost depends on the chunk size through a slope and a curve fitted from lone prefills of several
 sizes (profile.py's grid), not through one constant.
 step_time = coef . features, coefficients >= 0 (non-negative least squares, so no phase has a negative
 cost that would make a bigger batch cheaper).
 
-Profiles saved before fresh_pairs (FEATURES_V1) or the two tokens_upto features (FEATURES_V2) existed
-still load: their coefficients with 0 for the features they lack predict exactly what they did.
+Profiles saved before fresh_pairs (FEATURES_V1), the two tokens_upto features (FEATURES_V2) or
+past_skinny (FEATURES_V3) existed still load: their coefficients with 0 for the features they lack predict exactly what they did.
 """
 
 from __future__ import annotations
@@ -41,11 +49,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from tokenloom.errors import ConfigError
+from tokenloom.kernels.limits import SKINNY_MAX_ROWS
 
 FEATURES = ("fixed", "tokens", "rows", "decode_ctx", "prefill_pairs", "has_chunk", "chunk_rows", "fresh_pairs",
-            "tokens_upto16", "tokens_upto64")
+            "tokens_upto16", "tokens_upto64", "past_skinny")
 FEATURES_V1 = FEATURES[:7]  # profiles before fresh_pairs (2026-12-04)
 FEATURES_V2 = FEATURES[:8]  # profiles before the tokens_upto features (2026-12-06)
+FEATURES_V3 = FEATURES[:10]  # profiles before past_skinny (2026-12-07)
 Row = tuple[int, int]  # (num_new_tokens, num_computed_tokens before the step)
 
 
@@ -65,12 +75,12 @@ def features(rows: Sequence[Row]) -> list[float]:
     chunks = sum(1 for n, _ in rows if n > 1)
     fresh = sum(n * (n + 1) / 2 for n, c in rows if n > 1 and c == 0)
     return [1.0, float(tokens), float(len(rows)), float(decode_ctx), float(pairs), float(chunks > 0), float(chunks),
-            float(fresh), float(min(tokens, 16)), float(min(tokens, 64))]
+            float(fresh), float(min(tokens, 16)), float(min(tokens, 64)), float(tokens > SKINNY_MAX_ROWS)]
 
 
 def nnls(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
     """Non-negative least squares, min |a x - b| with x >= 0, by Lawson-Hanson's active set method.
-    a: (m, k), b: (m,). Small k (10 features), so the plain algorithm is quick."""
+    a: (m, k), b: (m,). Small k (11 features), so the plain algorithm is quick."""
     m, k = a.shape
     x = np.zeros(k)
     passive = np.zeros(k, dtype=bool)
@@ -143,7 +153,7 @@ class LinearStepCost:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LinearStepCost:
         names, coef = list(d.get("features", [])), [float(c) for c in d["coef"]]
-        older = [list(v) for v in (FEATURES_V1, FEATURES_V2)]
+        older = [list(v) for v in (FEATURES_V1, FEATURES_V2, FEATURES_V3)]
         if names in older and len(coef) == len(names):
             coef += [0.0] * (len(FEATURES) - len(names))  # the features it lacks cost nothing: same times
         elif names != list(FEATURES):
