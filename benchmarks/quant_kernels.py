@@ -17,8 +17,9 @@ each its own weights, with the file's types) against the same in bf16.
 `--decode-step` measures what a decode step pays instead: 30 layers' worth of SmolLM2's four linears,
 each its own weights (too many for the caches), called once each with --rows rows (each count in turn),
 as the decode stack does; bf16 as the engine runs it (the skinny kernel for one row, oneDNN's prepacked
-weight for more), the quantized formats through their auto route. Prints ms per step and the weight
-bytes read per second. `--dots vnni,amx-int8,amx-bf16,expand` times Q4_1's tiles with each dot forced
+weight for more), the quantized formats through their auto route as the engine sets it at start-up
+(quant/routing.py's measurement at the default step budget, printed first). Prints ms per step and the
+weight bytes read per second. `--dots vnni,amx-int8,amx-bf16,expand` times Q4_1's tiles with each dot forced
 instead (AMX CPUs; quant/routing.py chooses among them at start-up).
 
     python benchmarks/quant_kernels.py [--min-run-time 0.1] [--rows 1,64] [--decode-step [--rows 1,16,64]]
@@ -61,6 +62,11 @@ def decode_step(rows: list[int], repeats: int = 5, steps: int = 20, dots: list[s
         raise SystemExit("--decode-step needs the C++ kernels")
     if dots:
         return _decode_step_dots(kernels, rows, repeats, steps, dots)
+    from tokenloom.config import EngineConfig
+    from tokenloom.quant.routing import measured
+
+    budget = EngineConfig.__dataclass_fields__["max_num_batched_tokens"].default
+    print(measured(kernels, budget).describe())  # the crossovers the engine would run with
     torch.manual_seed(0)
     shapes = [SHAPES[name] for name in ("qkv", "o", "gate_up", "down")]
     formats = {

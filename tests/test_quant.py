@@ -128,9 +128,13 @@ def _few_rows_int8_oracle(lin: Int8Linear, x: torch.Tensor) -> torch.Tensor:
     return xhat.double() @ lin.dequantize().double().T + bias
 
 
+# 1-3 rows: weight rows one after another; from 4: interleaved. Each case up to the last row count before
+# its tiles (quant_gemm.cpp int8_tile_min_rows: per channel from 4 rows, groups of 32 from 7, others from 9).
+FEW_ROW_INT8 = [("per-row", r) for r in (1, 2, 3)] + [("per-32", r) for r in (1, 3, 4, 6)] + [("per-64", r) for r in (4, 8)]
+
+
 @pytest.mark.skipif(load_quant_kernels() is None, reason="needs the AVX512 quantized kernels")
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])  # 1-3: weight rows one after another; 4-8: interleaved
-@pytest.mark.parametrize("case", ["per-row", "per-32"])
+@pytest.mark.parametrize("case,rows", FEW_ROW_INT8)
 def test_few_row_int8_kernel_quantizes_x_per_64_inputs(rows: int, case: str) -> None:
     """The few-row int8 path multiplies int8 x by int8 codes (vpdpbusd): it must match the oracle of
     that arithmetic to bf16 output rounding, tighter than it matches float x."""
@@ -138,8 +142,12 @@ def test_few_row_int8_kernel_quantizes_x_per_64_inputs(rows: int, case: str) -> 
     if case == "per-row":
         lin = Int8Linear.from_linear(_linear(45, 576, bias=True))
     else:
-        q = torch.randint(-127, 128, (45, 96), dtype=torch.int8)
-        lin = Int8Linear.from_codes(q, (torch.rand(45, 3) * 0.01 + 1e-3).half(), torch.randn(45).bfloat16())
+        k = 96 if case == "per-32" else 192
+        q = torch.randint(-127, 128, (45, k), dtype=torch.int8)
+        groups = k // (32 if case == "per-32" else 64)
+        lin = Int8Linear.from_codes(q, (torch.rand(45, groups) * 0.01 + 1e-3).half(), torch.randn(45).bfloat16())
+    groups = lin.scales.shape[1]
+    assert rows < load_quant_kernels().quant_tile_min_rows(8, groups, lin.in_features // groups)  # the few-row kernel
     x = torch.randn(rows, lin.in_features).bfloat16()
     x[:, 5] = 40.0  # an outlier input: its chunk's other inputs get a coarse step
     got = lin(x).double()

@@ -1,7 +1,7 @@
-"""The quantized matmuls' routes at every batch size: int8-activation VNNI kernels (few rows, then the
-cache-resident tiles of csrc/qtile.h) and the weight expanded to bf16 for oneDNN, each forced on this CPU
-whatever it has, against the float reference and against the exact model of their arithmetic; and the
-start-up choice between them (quant/routing.py)."""
+"""The quantized matmuls' routes at every batch size: int8-activation VNNI kernels (few rows, int4's in
+panels past SKINNY_MAX_ROWS, then the cache-resident tiles of csrc/qtile.h) and the weight expanded to bf16
+for oneDNN, each forced on this CPU whatever it has, against the float reference and against the exact
+model of their arithmetic; and the start-up choice between them (quant/routing.py)."""
 
 from __future__ import annotations
 
@@ -54,33 +54,118 @@ def _layers() -> dict[str, QuantLinear]:
 @pytest.fixture
 def restore_tile_max_rows() -> Iterator[None]:
     before, dot, start = KERNELS.quant_tile_max_rows(), KERNELS.quant_tile_dot(), KERNELS.quant_tile_dot_from()
+    panels = KERNELS.quant_panel_max_rows()
     yield
     KERNELS.set_quant_tile_max_rows(before)
     KERNELS.set_quant_tile_dot(dot)
     KERNELS.set_quant_tile_dot_from(start)
+    KERNELS.set_quant_panel_max_rows(panels)
 
 
+def _tile_min_rows(lin: QuantLinear) -> int:
+    groups = lin.scales.shape[1]
+    return KERNELS.quant_tile_min_rows(lin.bits, groups, lin.in_features // groups)
+
+
+@pytest.mark.usefixtures("restore_tile_max_rows")
 @pytest.mark.parametrize("name", list(_layers()))
 def test_every_route_at_every_row_count(name: str) -> None:
     """1..64 rows and two prefill sizes: the expand route to the float reference within the bound the
     kernels are held to (bf16 output rounding, the weight rounded to bf16 once); the vnni route to the exact
-    model of its int8-x arithmetic within bf16 output rounding, and to the float reference in norm."""
+    model of its int8-x arithmetic within bf16 output rounding, and to the float reference in norm. int4's
+    vnni route twice: its few-row kernel handing over to the tiles at SKINNY_MAX_ROWS + 1 rows, and kept in
+    panels to 64 rows (where the start-up measurement puts that crossover depends on the CPU)."""
     lin = _layers()[name]
-    g = torch.Generator().manual_seed(1)
-    for rows in ROWS:
-        x = torch.randn(rows, K, generator=g).bfloat16()
-        want = lin.reference(x)
-        scale = want.abs().amax().item()
-        lin.route = "expand"
-        torch.testing.assert_close(lin(x).float(), want, rtol=8e-3, atol=8e-3 * scale, msg=f"expand, {rows} rows")
+    KERNELS.set_quant_tile_max_rows(4096)  # vnni as forced; expand is forced below at every count anyway
+    for panels in ((SKINNY_MAX_ROWS, 64) if lin.bits == 4 else (SKINNY_MAX_ROWS,)):
+        KERNELS.set_quant_panel_max_rows(panels)
+        g = torch.Generator().manual_seed(1)
+        for rows in ROWS:
+            x = torch.randn(rows, K, generator=g).bfloat16()
+            want = lin.reference(x)
+            scale = want.abs().amax().item()
+            lin.route = "expand"
+            torch.testing.assert_close(lin(x).float(), want, rtol=8e-3, atol=8e-3 * scale, msg=f"expand, {rows} rows")
+            lin.route = "vnni"
+            got = lin(x).double()
+            # int8's few-row kernel quantizes x per 64-input chunk in the codes' order; the tiles and int4's
+            # few-row kernel per 32 inputs in natural order (test_quant.py's models of each)
+            rows_apart = lin.bits == 8 and rows < _tile_min_rows(lin)
+            model = _few_rows_int8_oracle(lin, x) if rows_apart else _few_rows_int4_oracle(lin, x)
+            msg = f"vnni, {rows} rows, panels to {panels}"
+            torch.testing.assert_close(got, model, rtol=2**-8, atol=1e-4 * scale, msg=msg)
+            assert (got - want.double()).norm() <= 8e-3 * want.double().norm(), msg
+
+
+def test_int8_hands_over_to_the_tiles_where_measured() -> None:
+    """The first row count of int8's tiles (quant_gemm.cpp int8_tile_min_rows, measured on Zen 4): per
+    channel from 4 rows, Q8_0's groups of 32 from 7, other group sizes past the few-row kernel's last; the
+    outputs follow the tiles' arithmetic (x per 32 inputs) from there and the few-row kernel's (per 64-input
+    chunk) below, which differ on an input that coarsens its chunk's step."""
+    layers = _layers()
+    assert _tile_min_rows(layers["int8 per channel"]) == 4
+    assert _tile_min_rows(layers["Q8_0"]) == 7
+    assert KERNELS.quant_tile_min_rows(8, 4, 64) == SKINNY_MAX_ROWS + 1
+    assert KERNELS.quant_tile_min_rows(4, 8, 32) == KERNELS.quant_panel_max_rows() + 1
+    with pytest.raises(RuntimeError, match="bits"):
+        KERNELS.quant_tile_min_rows(5, 1, 32)
+    for name in ("int8 per channel", "Q8_0"):
+        lin = layers[name]
         lin.route = "vnni"
-        got = lin(x).double()
-        # int8's few-row kernel quantizes x per 64-input chunk in the codes' order; the tiles and int4's
-        # few-row kernel per 32 inputs in natural order (test_quant.py's models of each)
-        rows_apart = lin.bits == 8 and rows <= SKINNY_MAX_ROWS
-        model = _few_rows_int8_oracle(lin, x) if rows_apart else _few_rows_int4_oracle(lin, x)
-        torch.testing.assert_close(got, model, rtol=2**-8, atol=1e-4 * scale, msg=f"vnni, {rows} rows")
-        assert (got - want.double()).norm() <= 8e-3 * want.double().norm(), f"vnni, {rows} rows"
+        first = _tile_min_rows(lin)
+        for rows, tiles in ((first - 1, False), (first, True)):
+            x = torch.randn(rows, K, generator=torch.Generator().manual_seed(3)).bfloat16()
+            x[:, 40] = 30.0  # its 32-input block's step is coarse; the other half of its 64-input chunk's is not
+            got = lin(x).double()
+            scale = got.abs().max().item()
+            tol = dict(rtol=2**-8, atol=1e-4 * scale)
+            by_32, by_64 = _few_rows_int4_oracle(lin, x), _few_rows_int8_oracle(lin, x)
+            torch.testing.assert_close(got, by_32 if tiles else by_64, **tol, msg=f"{name}, {rows} rows")
+            assert not torch.allclose(got, by_64 if tiles else by_32, **tol), f"{name}, {rows} rows"
+
+
+@pytest.mark.usefixtures("restore_tile_max_rows")
+def test_int4_panels_give_each_row_what_one_row_gives() -> None:
+    """The few-row kernel in panels: every row's outputs bit for bit those of a call with that row alone,
+    whichever panel it falls in, for each int4 layout (groups of 32, 64, 128, Q4_0's zero point, a bias,
+    a partial last block of channels)."""
+    KERNELS.set_quant_tile_max_rows(4096)
+    KERNELS.set_quant_panel_max_rows(64)
+    g = torch.Generator().manual_seed(4)
+    for name, lin in _layers().items():
+        if lin.bits != 4:
+            continue
+        lin.route = "vnni"
+        for rows in (SKINNY_MAX_ROWS + 1, 13, 16, 23, 40, 64):
+            x = torch.randn(rows, K, generator=g).bfloat16()
+            alone = torch.cat([lin(x[i:i + 1]) for i in range(rows)])
+            assert torch.equal(lin(x), alone), (name, rows)
+
+
+@pytest.mark.usefixtures("restore_tile_max_rows")
+def test_auto_route_follows_the_panel_crossover() -> None:
+    """Up to quant_panel_max_rows rows int4 keeps the few-row kernel (bit for bit its rows alone), past it
+    the tiles; int8 does not look at it."""
+    KERNELS.set_quant_tile_max_rows(4096)
+    KERNELS.set_quant_panel_max_rows(16)
+    assert KERNELS.quant_panel_max_rows() == 16
+    lin, q8 = _layers()["Q4_1"], _layers()["Q8_0"]
+    x = torch.randn(17, K, generator=torch.Generator().manual_seed(5)).bfloat16()
+    x[:, 7] = 25.0
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(17)])
+    assert torch.equal(lin(x[:16]), alone[:16])
+    KERNELS.set_quant_panel_max_rows(64)
+    assert torch.equal(lin(x), alone)
+    KERNELS.set_quant_panel_max_rows(SKINNY_MAX_ROWS)
+    tiles16 = lin(x[:16])
+    KERNELS.set_quant_panel_max_rows(16)
+    assert torch.equal(lin(x[:17])[:16], tiles16)  # 17 rows: the tiles
+    assert not torch.equal(tiles16, alone[:16])  # (so the comparisons above tell the two apart)
+    q8_tiles = q8(x[:16])
+    KERNELS.set_quant_panel_max_rows(64)
+    assert torch.equal(q8(x[:16]), q8_tiles)
+    with pytest.raises(RuntimeError, match="at least"):
+        KERNELS.set_quant_panel_max_rows(SKINNY_MAX_ROWS - 1)
 
 
 def test_tiles_are_their_int8_arithmetic_not_float_x() -> None:
@@ -158,6 +243,13 @@ def test_calibration_times_both_routes_and_sets_the_kernel() -> None:
     if len(dots) > 1:
         assert r.tile_dot_from == KERNELS.quant_tile_dot_from()
     assert r.source == "measured" and "measured" in r.describe() and "16 rows" in r.describe()
+    # int4's panels against the tiles at the counts measured up to PANEL_ROWS, kept where they won
+    assert [m for m, _, _ in r.panel_timings] == [16, 32]
+    assert all(p > 0 and t > 0 for _, p, t in r.panel_timings)
+    assert r.panel_max_rows == min(routing.crossover(r.panel_timings), r.tile_max_rows)
+    assert r.panel_max_rows == KERNELS.quant_panel_max_rows()
+    if r.panel_max_rows > SKINNY_MAX_ROWS:
+        assert f"int4 in panels of {SKINNY_MAX_ROWS} up to {r.panel_max_rows}" in r.describe()
     assert f"tiles dotted by {r.tile_dot}" in r.describe()
     assert f"up to {r.tile_max_rows} rows, W expanded to bf16 for oneDNN beyond" in r.describe()
 
@@ -171,5 +263,8 @@ def test_engine_start_up_sets_and_logs_the_routing(smollm2_gguf: Path, caplog: p
     routing = llm.engine.quant_routing  # what `tokenloom serve` prints beside the KV capacity line
     assert routing is not None and (routing.tile_max_rows, routing.source) == (32, "set")
     assert any("up to 32 rows, W expanded" in r.getMessage() and "(set;" in r.getMessage() for r in caplog.records)
+    # int4's panels measured all the same, and never past the tiles' crossover that was set
+    assert routing.panel_max_rows <= 32 and routing.panel_max_rows == KERNELS.quant_panel_max_rows()
+    assert [m for m, _, _ in routing.panel_timings] == [16, 32, 64]
     with pytest.raises(ConfigError, match="quant-tile-max-rows"):
         LLM(model=str(smollm2_gguf), quant_tile_max_rows=4)

@@ -16,6 +16,13 @@ step holding a 512-token chunk of arriving prompts ran 532 ms through the expans
 the tiles (Q4_1 SmolLM2, Zen 4), when the measurement stopped at 256 rows and sent every larger call to
 the expansion; and need not go past it (at the default 512, the 1,024 and 2,048-row calls took ~0.5 s of
 start-up). `--quant-tile-max-rows N` sets the crossover instead (the dot is still measured).
+Below the tiles, int4 layers can keep the few-row kernel past SKINNY_MAX_ROWS rows, in panels of that
+many rows, each block of W dotted with every panel while it is in L1 (`quant_panel_max_rows`): the tiles
+decode every weight into a cache-resident tile of int8 codes per call, a fixed cost the few-row kernel
+never pays, while its work per row of x is higher. On Zen 4 (no AMX) the panels were 1.2-1.4x faster than
+the tiles at 9-24 rows and level at ~48 (Q4_1, SmolLM2's linears x 30 out of cache); with AMX dots the tiles
+may win from fewer rows. So that crossover is measured too, at the counts up to PANEL_ROWS (panels against
+the fastest of the tiles' dots at each count), and kept where the panels won at every count up to it.
 The kernel module holds the values for the whole process (quant_linear and kquant_linear, the fused
 decode stack included); they are logged with the timings behind them. The measurement is made once per
 process and budget (`measured`): a process that builds several engines (tests, a benchmark sweep) sees the
@@ -30,15 +37,20 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenloom.errors import ConfigError
 from tokenloom.kernels.limits import SKINNY_MAX_ROWS
 
+if TYPE_CHECKING:
+    from tokenloom.quant.linear import Int4Linear
+
 log = logging.getLogger("tokenloom.quant")
 
 CALIBRATION_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # the counts timed, up to a step's budget
+PANEL_ROWS = 64  # the int4 few-row kernel's panels are timed against the tiles up to this many rows
 # The synthetic layer: int4 with groups of 32 (GGUF Q4_0/Q4_1's form, the default model's), 2048 x 1024:
 # 1 MiB of codes, past the L2 cache of the CPUs measured, as a model's layers are.
 _SHAPE = (2048, 1024)
@@ -56,15 +68,22 @@ class QuantRouting:
     tile_dot_from: int = 0  # rows of x from which the tiles take tile_dot (vnni below)
     # (rows, {dot: tiles ms}, expand ms) per count measured, fastest of the calls; empty when not measured
     timings: tuple[tuple[int, Mapping[str, float], float], ...] = ()
+    panel_max_rows: int = SKINNY_MAX_ROWS  # int4's few-row kernel, in panels past SKINNY_MAX_ROWS, up to here
+    panel_timings: tuple[tuple[int, float, float], ...] = ()  # (rows, panels ms, fastest tiles ms)
 
     def describe(self) -> str:
-        text = (f"quantized matmuls: int8-activation kernels up to {SKINNY_MAX_ROWS} rows, then tiles dotted by "
+        panels = (f" (int4 in panels of {SKINNY_MAX_ROWS} up to {self.panel_max_rows})"
+                  if self.panel_max_rows > SKINNY_MAX_ROWS else "")
+        text = (f"quantized matmuls: int8-activation kernels up to {SKINNY_MAX_ROWS} rows{panels}, then tiles dotted by "
                 f"{self.tile_dot}{self._from()} up to {self.tile_max_rows} rows, W expanded to bf16 for oneDNN beyond "
                 f"({self.source}; CPU AMX: {'yes' if self.amx else 'no'})")
         if self.timings:
             text += "; ms at " + ", ".join(
                 f"{m} rows " + " / ".join(f"{d} {t:.2f}" for d, t in dots.items()) + f" / expand {e:.2f}"
                 for m, dots, e in self.timings)
+        if self.panel_timings:
+            text += "; int4 panels / tiles ms at " + ", ".join(f"{m} rows {p:.2f} / {t:.2f}"
+                                                              for m, p, t in self.panel_timings)
         return text
 
     def _from(self) -> str:
@@ -81,7 +100,8 @@ def cpu_has_amx() -> bool:
 
 def crossover(timings: Sequence[tuple[int, float, float]]) -> int:
     """The largest row count up to which the tiles were at least as fast as the expansion at every count
-    measured (SKINNY_MAX_ROWS if they lost at the first). `timings`: (rows, tiles, expand), rows ascending."""
+    measured (SKINNY_MAX_ROWS if they lost at the first). `timings`: (rows, tiles, expand), rows ascending;
+    or any two routes, the lower first (time_panels: (rows, panels, tiles))."""
     best = SKINNY_MAX_ROWS
     for rows, tiles, expand in timings:
         if tiles > expand:
@@ -135,12 +155,8 @@ def dots_available(kernels: ModuleType) -> tuple[str, ...]:
 def calibrate(kernels: ModuleType, rows: Sequence[int] = CALIBRATION_ROWS, reps: int = 7) -> QuantRouting:
     """Time the routes (each usable dot of the tiles, the expansion) on the synthetic layer, set the
     crossover and the dot in `kernels`; about a second (two or three with AMX's two dots)."""
-    from tokenloom.quant.linear import Int4Linear
-    from tokenloom.quant.quantizers import quantize_int4
-
-    n, k = _SHAPE
-    gen = torch.Generator().manual_seed(0)
-    layer = Int4Linear.from_codes(*quantize_int4(torch.randn(n, k, generator=gen) * 0.05, 32))
+    layer, gen = _synthetic_layer()
+    k = layer.in_features
     args = (layer.codes, layer.scales, layer.mins, layer.bits, None)
     dots = dots_available(kernels)
 
@@ -163,14 +179,61 @@ def calibrate(kernels: ModuleType, rows: Sequence[int] = CALIBRATION_ROWS, reps:
         if len(dots) > 1:
             kernels.set_quant_tile_dot(0)
     dot, rows_max, dot_from = tile_dot(timings)
-    routing = QuantRouting(rows_max, "measured", cpu_has_amx(), dot, dot_from, tuple(timings))
+    panels = time_panels(kernels, [m for m in rows if m <= PANEL_ROWS], reps)
+    routing = QuantRouting(rows_max, "measured", cpu_has_amx(), dot, dot_from, tuple(timings),
+                           min(crossover(panels), rows_max), tuple(panels))
     apply(kernels, routing)
     return routing
 
 
+def time_panels(kernels: ModuleType, rows: Sequence[int], reps: int = 7) -> list[tuple[int, float, float]]:
+    """(rows, panels ms, tiles ms) on the synthetic layer: int4's few-row kernel in panels against the
+    fastest of the tiles' usable dots, at each count; `crossover` of it is where the panels stop winning."""
+    if not hasattr(kernels, "set_quant_panel_max_rows"):
+        return []
+    layer, gen = _synthetic_layer()
+    args = (layer.codes, layer.scales, layer.mins, layer.bits, None)
+    dots = dots_available(kernels)
+    before = (kernels.quant_panel_max_rows(), kernels.quant_tile_dot(), kernels.quant_tile_dot_from())
+    out = []
+    try:
+        kernels.set_quant_tile_dot_from(0)
+        for m in rows:
+            x = torch.randn(m, layer.in_features, generator=gen).bfloat16()
+
+            def call(panel_max: int, dot: int, x: torch.Tensor = x) -> Callable[[], object]:
+                def run() -> object:
+                    kernels.set_quant_panel_max_rows(panel_max)
+                    if len(dots) > 1:
+                        kernels.set_quant_tile_dot(dot)
+                    return kernels.quant_linear(x, *args, 1)
+                return run
+
+            ms = fastest_ms([call(m, 0), *(call(SKINNY_MAX_ROWS, DOTS.index(d)) for d in dots)], reps)
+            out.append((m, ms[0], min(ms[1:])))
+    finally:
+        kernels.set_quant_panel_max_rows(before[0])
+        if len(dots) > 1:
+            kernels.set_quant_tile_dot(before[1])
+        kernels.set_quant_tile_dot_from(before[2])
+    return out
+
+
+def _synthetic_layer() -> tuple[Int4Linear, torch.Generator]:
+    """The layer the routes are timed on (_SHAPE, int4 in groups of 32) and a generator for its x."""
+    from tokenloom.quant.linear import Int4Linear
+    from tokenloom.quant.quantizers import quantize_int4
+
+    n, k = _SHAPE
+    gen = torch.Generator().manual_seed(0)
+    return Int4Linear.from_codes(*quantize_int4(torch.randn(n, k, generator=gen) * 0.05, 32)), gen
+
+
 def apply(kernels: ModuleType, routing: QuantRouting) -> None:
-    """Set the crossover and the tiles' dot in the kernel module (process-wide)."""
+    """Set the crossovers and the tiles' dot in the kernel module (process-wide)."""
     kernels.set_quant_tile_max_rows(routing.tile_max_rows)
+    if hasattr(kernels, "set_quant_panel_max_rows"):
+        kernels.set_quant_panel_max_rows(routing.panel_max_rows)
     if hasattr(kernels, "set_quant_tile_dot"):
         kernels.set_quant_tile_dot(DOTS.index(routing.tile_dot))
         kernels.set_quant_tile_dot_from(routing.tile_dot_from)
@@ -189,6 +252,12 @@ def measured(kernels: ModuleType, max_rows: int) -> QuantRouting:
     return calibrate(kernels, calibration_rows(max_rows))
 
 
+@functools.cache
+def measured_panels(kernels: ModuleType) -> tuple[tuple[int, float, float], ...]:
+    """`time_panels` once per process and kernel module, at the calibration counts up to PANEL_ROWS."""
+    return tuple(time_panels(kernels, [m for m in CALIBRATION_ROWS if m <= PANEL_ROWS]))
+
+
 def choose(kernels: ModuleType, tile_max_rows: int | None, max_rows: int) -> QuantRouting:
     """Set the crossover: `tile_max_rows` as given (--quant-tile-max-rows; the tiles' dot still measured
     where AMX is available), else measured up to a step of `max_rows` rows (the engine's
@@ -202,7 +271,9 @@ def choose(kernels: ModuleType, tile_max_rows: int | None, max_rows: int) -> Qua
         if len(dots_available(kernels)) > 1:  # the dot is still measured where there is a choice (AMX)
             m = measured(kernels, max_rows)
             dot, dot_from = m.tile_dot, m.tile_dot_from
-        routing = QuantRouting(tile_max_rows, "set", cpu_has_amx(), dot, dot_from)
+        panels = measured_panels(kernels)  # below the tiles, whatever their crossover
+        routing = QuantRouting(tile_max_rows, "set", cpu_has_amx(), dot, dot_from,
+                               panel_max_rows=min(crossover(panels), tile_max_rows), panel_timings=panels)
     apply(kernels, routing)
     log.info("%s", routing.describe())
     return routing

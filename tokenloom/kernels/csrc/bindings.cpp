@@ -40,6 +40,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_tile_max_rows", &quant_tile_max_rows, "rows of x up to which the auto routes of quant_linear and "
         "kquant_linear take the VNNI kernels (W expanded to bf16 for oneDNN beyond)");
   m.def("set_quant_tile_max_rows", &set_quant_tile_max_rows, "set quant_tile_max_rows (at least SKINNY_MAX_ROWS)");
+  m.def("quant_panel_max_rows", &quant_panel_max_rows, "rows of x up to which quant_linear's int4 vnni route "
+        "runs the few-row kernel (in panels of SKINNY_MAX_ROWS past them) rather than the tiles");
+  m.def("set_quant_panel_max_rows", &set_quant_panel_max_rows, "set quant_panel_max_rows (at least SKINNY_MAX_ROWS)");
+  m.def("quant_tile_min_rows", &quant_tile_min_rows, "the first row count quant_linear's vnni route serves by the "
+        "tiles for a layer of these bits, groups per row and group size");
   m.def("quant_tile_dots", &quant_tile_dots, "the dots of quant_linear's and kquant_linear's tiles usable here, "
         "by index: vnni (0), amx-int8 (1), amx-bf16 (2)");
   m.def("quant_tile_dot", &quant_tile_dot, "how the tiles are dotted: 0 vnni, 1 amx-int8, 2 amx-bf16");

@@ -102,6 +102,12 @@ bool quant_available();
 // rows of x, W expanded to bf16 for oneDNN beyond.
 int64_t quant_tile_max_rows();
 void set_quant_tile_max_rows(int64_t rows);
+// quant_linear's int4 few-row kernel serves up to this many rows, in panels of kSkinnyMaxRows past them
+// (then the tiles): measured at start-up (quant/routing.py); kSkinnyMaxRows (no panels) until set.
+int64_t quant_panel_max_rows();
+void set_quant_panel_max_rows(int64_t rows);
+// The first row count quant_linear's vnni route serves by the tiles for a layer of these bits and groups.
+int64_t quant_tile_min_rows(int64_t bits, int64_t groups, int64_t group_size);
 // How qtile.h's tiles (quant_linear, kquant_linear) are dotted with x: 0 vpdpbusd (int8 x), 1 AMX-INT8 (int8
 // x, the same outputs bit for bit), 2 AMX-BF16 (the tile decoded to bf16, x as it is). AMX only where the
 // build has it and Linux granted the process its tile state (quant_tile_dots lists those usable); chosen

@@ -15,16 +15,19 @@
 //     group's scales and mins (stored blocked too: r consecutive values per group) are one vector load.
 //
 // Three paths (route 0 "auto" chooses; 1 "vnni" forces the first two, 2 "expand" the third, for tests):
-//   M <= kSkinnyMaxRows (8; decode, speculative verification): each weight byte is read once and dotted with all M rows
+//   Few rows (decode, speculative verification): each weight byte is read once and dotted with all M rows
 //     of x, the codes never expanded. x is quantized like llama.cpp's Q8 activations: int8 per 32 inputs
 //     (int8: per 64-input chunk), xq = round(x / dx) with dx = max |x| / 127, so that vpdpbusd multiplies
 //     64 codes by 64 xq per instruction; int4's zero point adds m times the group's sum of dx xq.
 //     Weights are prefetched in software (hardware prefetchers stop at 4 KiB pages), except int8's with 1-3
 //     rows of x, which reads its weight rows one after another in address order instead. (Quantizing x takes
 //     far fewer instructions than widening the codes to bf16: docs/performance-notes.md#quantized-matmul.)
-//   kSkinnyMaxRows < M <= quant_tile_max_rows() (batched decode, verification, small prefill chunks): qtile.h,
-//     16 output channels at a time decoded into a cache-resident tile of 8-bit codes and dotted with all
-//     M rows by vpdpbusd, 4 rows against 2 tiles per pass: W read from memory once per call.
+//   int4 up to quant_panel_max_rows() (measured at start-up, tokenloom/quant/routing.py): the same kernel
+//     over panels of kSkinnyMaxRows rows, each 16-channel block of W dotted with every panel while in L1.
+//   Beyond, up to quant_tile_max_rows() (batched decode, verification, small prefill chunks; int8 from
+//     int8_tile_min_rows rows): qtile.h, 16 output channels at a time decoded into a cache-resident tile of
+//     8-bit codes and dotted with all M rows by vpdpbusd, 4 rows against 2 tiles per pass: W read from
+//     memory once per call.
 //   M > quant_tile_max_rows() (prefill): the weight is expanded to bf16 (int8 per channel: the codes, exact,
 //     the scale applied to each dot product; grouped: d q + m rounded to bf16 once), up to 16 MiB of it at
 //     once (all of a SmolLM2 layer) in a reused buffer, then one oneDNN matmul over all M rows (at::linear:
@@ -279,21 +282,32 @@ __attribute__((always_inline)) inline void int4_block(const QWeight& w, int64_t 
   }
 }
 
-template <int M>
-void skinny_int4(const QWeight& w, const X4& x, const c10::BFloat16* bias, c10::BFloat16* y) {
+// Rows of x in panels of kSkinnyMaxRows (the last R = 1..kSkinnyMaxRows), each block of W dotted with every
+// panel while it is in L1: W read from memory once per call at any row count. With M <= kSkinnyMaxRows one
+// panel, the few-row kernel. A row's outputs do not depend on the panel it falls in (each row's chain is its
+// own), so M rows give bit for bit what M calls of one row give.
+template <int R>
+void skinny_int4(const QWeight& w, const X4& x, int64_t M, const c10::BFloat16* bias, c10::BFloat16* y) {
+  constexpr int P = static_cast<int>(kSkinnyMaxRows);
   const int64_t nblocks = (w.N + kBlock - 1) / kBlock;
+  const int64_t full = (M - R) / P;  // panels of P rows before the last, of R
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (kBlock * w.row_bytes));  // ~128 KiB of codes
+  auto panel = [&]<int Rows>(int64_t n0, int64_t m0, __mmask16 k, __m512 bv) {
+    const X4 xp{x.q + m0 * x.Kp, x.d + m0 * (x.Kp / 32), x.sum + m0 * x.G, x.Kp, x.G};
+    __m512 acc[Rows];
+    int4_block<Rows>(w, n0, xp, acc);
+#pragma GCC unroll 8
+    for (int m = 0; m < Rows; ++m)
+      _mm256_mask_storeu_epi16(y + (m0 + m) * w.N + n0, k, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], bv)));
+  };
   at::parallel_for(0, nblocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kBlock;
       const __mmask16 k = static_cast<__mmask16>((1u << std::min<int64_t>(kBlock, w.N - n0)) - 1);
-      __m512 acc[M];
-      int4_block<M>(w, n0, x, acc);
       const __m512 bv = bias == nullptr ? _mm512_setzero_ps()
           : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, bias + n0)), 16));
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m)
-        _mm256_mask_storeu_epi16(y + m * w.N + n0, k, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], bv)));
+      for (int64_t p = 0; p < full; ++p) panel.template operator()<P>(n0, p * P, k, bv);
+      panel.template operator()<R>(n0, full * P, k, bv);
     }
   });
 }
@@ -590,6 +604,21 @@ constexpr int64_t kDefaultTileMaxRows = 2 * kSkinnyMaxRows;
 constexpr int64_t kDefaultTileMaxRows = kPackedMaxRows;
 #endif
 std::atomic<int64_t> tile_max_rows{kDefaultTileMaxRows};
+// int4: the few-row kernel in panels up to this many rows (then the tiles); one panel until measured.
+std::atomic<int64_t> panel_max_rows{kSkinnyMaxRows};
+
+// int8's first row count served by the tiles rather than the few-row kernel. Its float work is per 64
+// inputs per row of x and of W (an int32 -> float conversion and an FMA per vpdpbusd, the 128-offset
+// correction), the tiles' per 32 inputs per row of x and 16 of W. Measured on Zen 4 (the 2-core EPYC, no
+// AMX; SmolLM2's four linears x 30 out of cache, forced routes alternating, docs/performance-notes.md
+// #quantized-batching): per channel the tiles 1.08-1.33x faster at 4-8 rows on two threads (1.17-1.41x on
+// one; the few-row kernel 1.2-1.5x faster at 2-3), Q8_0's groups of 32 (two scales per chunk) from 7 rows
+// (1.04 / 1.16x at 7 / 8; at 6 0.95-0.99x), and so its 49152-row LM head (1.18x at 7, 1.38x at 8). Other
+// group sizes as before.
+int64_t int8_tile_min_rows(int64_t G, int64_t g) {
+  const int64_t first = G == 1 ? 4 : g == 32 ? 7 : kSkinnyMaxRows + 1;
+  return std::min<int64_t>(first, kSkinnyMaxRows + 1);
+}
 
 }  // namespace
 
@@ -602,6 +631,19 @@ bool quant_available() {
 }
 
 int64_t quant_tile_max_rows() { return tile_max_rows.load(std::memory_order_relaxed); }
+
+int64_t quant_panel_max_rows() { return panel_max_rows.load(std::memory_order_relaxed); }
+
+void set_quant_panel_max_rows(int64_t rows) {
+  TORCH_CHECK(rows >= kSkinnyMaxRows, "quant_panel_max_rows must be at least ", kSkinnyMaxRows);
+  panel_max_rows.store(rows, std::memory_order_relaxed);
+}
+
+int64_t quant_tile_min_rows(int64_t bits, int64_t groups, int64_t group_size) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_tile_min_rows: bits must be 4 or 8");
+  TORCH_CHECK(groups >= 1 && group_size >= 1, "quant_tile_min_rows: groups and group size must be positive");
+  return bits == 8 ? int8_tile_min_rows(groups, group_size) : quant_panel_max_rows() + 1;
+}
 
 namespace {
 std::atomic<int64_t> tile_dot{0};  // vpdpbusd until the start-up measurement (or a test) says otherwise
@@ -683,10 +725,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
     const at::Tensor xt = at::from_blob(xpp, {M, Kp}, x.options());
     return bits == 4 ? expanded_linear<4>(w, xt, Kp, bias) : expanded_linear<8>(w, xt, Kp, bias);
   }
-  if (M > kSkinnyMaxRows) return tile_linear(w, xc, Kp, bits, b);
+  if (M >= (bits == 4 ? quant_panel_max_rows() + 1 : int8_tile_min_rows(G, g))) return tile_linear(w, xc, Kp, bits, b);
   at::Tensor y = at::empty({M, N}, x.options());
   auto* yp = y.data_ptr<c10::BFloat16>();
-  // The few-row paths quantize x: int4 per 32 inputs in natural order, int8 per 64 in kernel order.
+  // The few-row paths quantize x: int4 per 32 inputs in natural order (in panels past kSkinnyMaxRows rows),
+  // int8 per 64 in kernel order.
   if (bits == 4) {
     thread_local std::vector<int8_t> xq_buf;
     thread_local std::vector<float> dx_buf, sum_buf;
@@ -695,7 +738,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
     float* xs = scratch(sum_buf, M * G);
     quantize_x32(xd, M, K, Kp, g, G, xq, dx, xs);
     const X4 x4{xq, dx, xs, Kp, G};
-    with_rows(M, [&]<int R>() { skinny_int4<R>(w, x4, b, yp); });
+    with_rows((M - 1) % kSkinnyMaxRows + 1, [&]<int R>() { skinny_int4<R>(w, x4, M, b, yp); });
     return y;
   }
   const int64_t nchunks = Kp / 64;
