@@ -29,7 +29,10 @@ features are what dominates each phase of a CPU/GPU step:
   +1.7 ms). Without it the fit spread the jump over its neighbours: steps of 9-16 rows ran 1.08-1.14x
   their price and those of 1-8 rows 0.92-0.96x, in every set-up's served traces (plan validation run 38),
   and a split fleet's decode ratio, one constant over its steps' rows, priced its 1-2-row light-load steps
-  by its 16-row calibration steps (its TPOT +22%).
+  by its 16-row calibration steps (its TPOT +22%). The kernels have since moved int4's hand-over to a
+  crossover measured at start-up (the few-row kernel in panels, quant/routing.py), where both routes cost
+  the same, so a profile of that build fits little here; a CPU or build whose kernels still change cost at
+  the boundary gets the step priced.
 So a lone prefill of n tokens costs fixed + has_chunk + rows + chunk_rows + n x tokens + quadratic terms
 in n: its cost depends on the chunk size through a slope and a curve fitted from lone prefills of several
 sizes (profile.py's grid), not through one constant.
