@@ -255,6 +255,28 @@ def test_calibration_times_both_routes_and_sets_the_kernel() -> None:
 
 
 @pytest.mark.usefixtures("restore_tile_max_rows")
+def test_calibration_times_the_tiles_whatever_the_panels_were() -> None:
+    """A process that measured before (another engine, another budget) may have left int4's panels on up to
+    64 rows: the next measurement's tile timings must still be the tiles' (each call sees panels off)."""
+    seen = []
+    real = KERNELS.quant_linear
+
+    class Spy:
+        def __getattr__(self, name: str) -> object:
+            return getattr(KERNELS, name)
+
+        def quant_linear(self, x: torch.Tensor, *args: object) -> torch.Tensor:
+            seen.append((x.shape[0], args[-1], KERNELS.quant_panel_max_rows()))
+            return real(x, *args)
+
+    KERNELS.set_quant_panel_max_rows(64)
+    routing.calibrate(Spy(), rows=(16, 32), reps=1)
+    first_panel_call = next(i for i, (m, route, panels) in enumerate(seen) if route == 1 and panels >= m)
+    tiles_phase = seen[:first_panel_call]
+    assert tiles_phase and all(panels == SKINNY_MAX_ROWS for _, _, panels in tiles_phase)
+
+
+@pytest.mark.usefixtures("restore_tile_max_rows")
 def test_engine_start_up_sets_and_logs_the_routing(smollm2_gguf: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The default model (Q4_1 kept quantized) logs the choice; --quant-tile-max-rows sets it instead."""
     with caplog.at_level(logging.INFO, logger="tokenloom.quant"):

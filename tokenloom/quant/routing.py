@@ -153,8 +153,9 @@ def dots_available(kernels: ModuleType) -> tuple[str, ...]:
 
 
 def calibrate(kernels: ModuleType, rows: Sequence[int] = CALIBRATION_ROWS, reps: int = 7) -> QuantRouting:
-    """Time the routes (each usable dot of the tiles, the expansion) on the synthetic layer, set the
-    crossover and the dot in `kernels`; about a second (two or three with AMX's two dots)."""
+    """Time the routes (each usable dot of the tiles, the expansion) on the synthetic layer, then int4's
+    panels against the tiles (time_panels), set the crossovers and the dot in `kernels`; about a second
+    (two or three with AMX's two dots)."""
     layer, gen = _synthetic_layer()
     k = layer.in_features
     args = (layer.codes, layer.scales, layer.mins, layer.bits, None)
@@ -170,6 +171,9 @@ def calibrate(kernels: ModuleType, rows: Sequence[int] = CALIBRATION_ROWS, reps:
     timings = []
     if len(dots) > 1:
         kernels.set_quant_tile_dot_from(0)  # each dot timed at every count
+    panels_before = getattr(kernels, "quant_panel_max_rows", lambda: SKINNY_MAX_ROWS)()
+    if hasattr(kernels, "set_quant_panel_max_rows"):
+        kernels.set_quant_panel_max_rows(SKINNY_MAX_ROWS)  # the tiles, whatever an earlier engine measured
     try:
         for m in rows:
             x = torch.randn(m, k, generator=gen).bfloat16()
@@ -178,6 +182,8 @@ def calibrate(kernels: ModuleType, rows: Sequence[int] = CALIBRATION_ROWS, reps:
     finally:
         if len(dots) > 1:
             kernels.set_quant_tile_dot(0)
+        if hasattr(kernels, "set_quant_panel_max_rows"):
+            kernels.set_quant_panel_max_rows(panels_before)
     dot, rows_max, dot_from = tile_dot(timings)
     panels = time_panels(kernels, [m for m in rows if m <= PANEL_ROWS], reps)
     routing = QuantRouting(rows_max, "measured", cpu_has_amx(), dot, dot_from, tuple(timings),
@@ -260,8 +266,8 @@ def measured_panels(kernels: ModuleType) -> tuple[tuple[int, float, float], ...]
 
 def choose(kernels: ModuleType, tile_max_rows: int | None, max_rows: int) -> QuantRouting:
     """Set the crossover: `tile_max_rows` as given (--quant-tile-max-rows; the tiles' dot still measured
-    where AMX is available), else measured up to a step of `max_rows` rows (the engine's
-    --max-num-batched-tokens); logged."""
+    where AMX is available, and int4's panels against the tiles), else measured up to a step of `max_rows`
+    rows (the engine's --max-num-batched-tokens); logged."""
     if tile_max_rows is None:
         routing = measured(kernels, max_rows)
     else:
