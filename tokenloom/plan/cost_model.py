@@ -31,8 +31,8 @@ features are what dominates each phase of a CPU/GPU step:
   and a split fleet's decode ratio, one constant over its steps' rows, priced its 1-2-row light-load steps
   by its 16-row calibration steps (its TPOT +22%). The kernels have since moved int4's hand-over to a
   crossover measured at start-up (the few-row kernel in panels, quant/routing.py), where both routes cost
-  the same, so a profile of that build fits little here; a CPU or build whose kernels still change cost at
-  the boundary gets the step priced.
+  the same: a profile of that build fitted 1.29 ms here (3.76 before; what is left is the tied Q8_0 LM
+  head's tiles from 7 rows). A CPU or build whose kernels change cost at the boundary gets the step priced.
 So a lone prefill of n tokens costs fixed + has_chunk + rows + chunk_rows + n x tokens + quadratic terms
 in n: its cost depends on the chunk size through a slope and a curve fitted from lone prefills of several
 sizes (profile.py's grid), not through one constant.
@@ -40,7 +40,8 @@ step_time = coef . features, coefficients >= 0 (non-negative least squares, so n
 cost that would make a bigger batch cheaper).
 
 Profiles saved before fresh_pairs (FEATURES_V1), the two tokens_upto features (FEATURES_V2) or
-past_skinny (FEATURES_V3) existed still load: their coefficients with 0 for the features they lack predict exactly what they did.
+past_skinny (FEATURES_V3) existed still load: their coefficients with 0 for the features they lack
+predict exactly what they did.
 """
 
 from __future__ import annotations
