@@ -202,6 +202,10 @@ def test_crossover_is_where_the_tiles_stop_winning() -> None:
     assert routing.crossover([(16, 1.0, 2.0), (32, 2.0, 2.5), (64, 4.0, 3.0), (128, 5.0, 6.0)]) == 32
     assert routing.crossover([(16, 3.0, 2.0), (32, 1.0, 2.0)]) == SKINNY_MAX_ROWS  # lost at the first count
     assert routing.crossover([(16, 1.0, 2.0), (256, 1.0, 1.0)]) == 256  # a tie keeps the tiles
+    # with a margin the first route must win by it: int4's panels against the tiles (PANEL_MARGIN)
+    panels = [(16, 0.116, 0.132), (32, 0.229, 0.237), (64, 0.455, 0.442)]  # the 2-core EPYC's start-up
+    assert routing.crossover(panels) == 32 and routing.crossover(panels, routing.PANEL_MARGIN) == 16
+    assert routing.crossover([(16, 0.96, 1.0)], 0.95) == SKINNY_MAX_ROWS
 
 
 def test_calibration_keeps_each_route_fastest_call_through_a_burst() -> None:
@@ -246,7 +250,7 @@ def test_calibration_times_both_routes_and_sets_the_kernel() -> None:
     # int4's panels against the tiles at the counts measured up to PANEL_ROWS, kept where they won
     assert [m for m, _, _ in r.panel_timings] == [16, 32]
     assert all(p > 0 and t > 0 for _, p, t in r.panel_timings)
-    assert r.panel_max_rows == min(routing.crossover(r.panel_timings), r.tile_max_rows)
+    assert r.panel_max_rows == min(routing.crossover(r.panel_timings, routing.PANEL_MARGIN), r.tile_max_rows)
     assert r.panel_max_rows == KERNELS.quant_panel_max_rows()
     if r.panel_max_rows > SKINNY_MAX_ROWS:
         assert f"int4 in panels of {SKINNY_MAX_ROWS} up to {r.panel_max_rows}" in r.describe()

@@ -22,7 +22,8 @@ decode every weight into a cache-resident tile of int8 codes per call, a fixed c
 never pays, while its work per row of x is higher. On Zen 4 (no AMX) the panels were 1.2-1.4x faster than
 the tiles at 9-24 rows and level at ~48 (Q4_1, SmolLM2's linears x 30 out of cache); with AMX dots the tiles
 may win from fewer rows. So that crossover is measured too, at the counts up to PANEL_ROWS (panels against
-the fastest of the tiles' dots at each count), and kept where the panels won at every count up to it.
+the fastest of the tiles' dots at each count), and kept where the panels won by PANEL_MARGIN at every
+count up to it.
 The kernel module holds the values for the whole process (quant_linear and kquant_linear, the fused
 decode stack included); they are logged with the timings behind them. The measurement is made once per
 process and budget (`measured`): a process that builds several engines (tests, a benchmark sweep) sees the
@@ -51,6 +52,14 @@ log = logging.getLogger("tokenloom.quant")
 
 CALIBRATION_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # the counts timed, up to a step's budget
 PANEL_ROWS = 64  # the int4 few-row kernel's panels are timed against the tiles up to this many rows
+# The panels are kept at a count only where they took at most this fraction of the tiles' time. The two
+# routes round differently (the same int8-x products summed in another order), and the model's next
+# layer quantizes x again, so a near-tie between two tokens can go either way: a crossover that a few
+# percent of timing noise moves from one process to the next would move such answers with it (a
+# 37-token prompt on the default model answered "The capital..." through the tiles and "L'Etoile..."
+# through the panels, the two candidates 0.08 nats apart in float32). On the 2-core EPYC the panels won by
+# 12% at 16 rows, 3% at 32 and lost by 2% at 64: the margin keeps 16.
+PANEL_MARGIN = 0.95
 # The synthetic layer: int4 with groups of 32 (GGUF Q4_0/Q4_1's form, the default model's), 2048 x 1024:
 # 1 MiB of codes, past the L2 cache of the CPUs measured, as a model's layers are.
 _SHAPE = (2048, 1024)
@@ -98,13 +107,13 @@ def cpu_has_amx() -> bool:
         return False
 
 
-def crossover(timings: Sequence[tuple[int, float, float]]) -> int:
-    """The largest row count up to which the tiles were at least as fast as the expansion at every count
-    measured (SKINNY_MAX_ROWS if they lost at the first). `timings`: (rows, tiles, expand), rows ascending;
-    or any two routes, the lower first (time_panels: (rows, panels, tiles))."""
+def crossover(timings: Sequence[tuple[int, float, float]], margin: float = 1.0) -> int:
+    """The largest row count up to which the tiles took at most `margin` x the expansion's time at every
+    count measured (SKINNY_MAX_ROWS if they lost at the first). `timings`: (rows, tiles, expand), rows
+    ascending; or any two routes, the lower first (time_panels: (rows, panels, tiles))."""
     best = SKINNY_MAX_ROWS
     for rows, tiles, expand in timings:
-        if tiles > expand:
+        if tiles > margin * expand:
             break
         best = rows
     return best
@@ -187,14 +196,15 @@ def calibrate(kernels: ModuleType, rows: Sequence[int] = CALIBRATION_ROWS, reps:
     dot, rows_max, dot_from = tile_dot(timings)
     panels = time_panels(kernels, [m for m in rows if m <= PANEL_ROWS], reps)
     routing = QuantRouting(rows_max, "measured", cpu_has_amx(), dot, dot_from, tuple(timings),
-                           min(crossover(panels), rows_max), tuple(panels))
+                           min(crossover(panels, PANEL_MARGIN), rows_max), tuple(panels))
     apply(kernels, routing)
     return routing
 
 
 def time_panels(kernels: ModuleType, rows: Sequence[int], reps: int = 7) -> list[tuple[int, float, float]]:
     """(rows, panels ms, tiles ms) on the synthetic layer: int4's few-row kernel in panels against the
-    fastest of the tiles' usable dots, at each count; `crossover` of it is where the panels stop winning."""
+    fastest of the tiles' usable dots, at each count; `crossover(..., PANEL_MARGIN)` of it is where the
+    panels stop winning by the margin."""
     if not hasattr(kernels, "set_quant_panel_max_rows"):
         return []
     layer, gen = _synthetic_layer()
@@ -279,7 +289,8 @@ def choose(kernels: ModuleType, tile_max_rows: int | None, max_rows: int) -> Qua
             dot, dot_from = m.tile_dot, m.tile_dot_from
         panels = measured_panels(kernels)  # below the tiles, whatever their crossover
         routing = QuantRouting(tile_max_rows, "set", cpu_has_amx(), dot, dot_from,
-                               panel_max_rows=min(crossover(panels), tile_max_rows), panel_timings=panels)
+                               panel_max_rows=min(crossover(panels, PANEL_MARGIN), tile_max_rows),
+                               panel_timings=panels)
     apply(kernels, routing)
     log.info("%s", routing.describe())
     return routing
