@@ -14,7 +14,7 @@ from tokenloom.cli import main
 from tokenloom.errors import ConfigError
 from tokenloom.kernels import load_quant_kernels
 from tokenloom.quant.weight_only import (
-    Int4Linear, Int8Linear, int4_group_size, quantize_int4, quantize_int8, weight_bytes,
+    Int4Linear, Int8Linear, QuantLinear, int4_group_size, quantize_int4, quantize_int8, weight_bytes,
 )
 
 
@@ -128,6 +128,12 @@ def _few_rows_int8_oracle(lin: Int8Linear, x: torch.Tensor) -> torch.Tensor:
     return xhat.double() @ lin.dequantize().double().T + bias
 
 
+def _tile_min_rows(lin: QuantLinear) -> int:
+    """The first row count the vnni route serves by the tiles for this layer (quant_gemm.cpp)."""
+    groups = lin.scales.shape[1]
+    return load_quant_kernels().quant_tile_min_rows(lin.bits, groups, lin.in_features // groups)
+
+
 # 1-3 rows: weight rows one after another; from 4: interleaved. Each case up to the last row count before
 # its tiles (quant_gemm.cpp int8_tile_min_rows: per channel from 4 rows, groups of 32 from 7, others from 9).
 FEW_ROW_INT8 = [("per-row", r) for r in (1, 2, 3)] + [("per-32", r) for r in (1, 3, 4, 6)] + [("per-64", r) for r in (4, 8)]
@@ -146,8 +152,7 @@ def test_few_row_int8_kernel_quantizes_x_per_64_inputs(rows: int, case: str) -> 
         q = torch.randint(-127, 128, (45, k), dtype=torch.int8)
         groups = k // (32 if case == "per-32" else 64)
         lin = Int8Linear.from_codes(q, (torch.rand(45, groups) * 0.01 + 1e-3).half(), torch.randn(45).bfloat16())
-    groups = lin.scales.shape[1]
-    assert rows < load_quant_kernels().quant_tile_min_rows(8, groups, lin.in_features // groups)  # the few-row kernel
+    assert rows < _tile_min_rows(lin)  # the few-row kernel
     x = torch.randn(rows, lin.in_features).bfloat16()
     x[:, 5] = 40.0  # an outlier input: its chunk's other inputs get a coarse step
     got = lin(x).double()

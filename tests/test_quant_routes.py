@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_quant import _few_rows_int4_oracle, _few_rows_int8_oracle
+from test_quant import _few_rows_int4_oracle, _few_rows_int8_oracle, _tile_min_rows
 
 from tokenloom import LLM
 from tokenloom.errors import ConfigError
@@ -60,11 +60,6 @@ def restore_tile_max_rows() -> Iterator[None]:
     KERNELS.set_quant_tile_dot(dot)
     KERNELS.set_quant_tile_dot_from(start)
     KERNELS.set_quant_panel_max_rows(panels)
-
-
-def _tile_min_rows(lin: QuantLinear) -> int:
-    groups = lin.scales.shape[1]
-    return KERNELS.quant_tile_min_rows(lin.bits, groups, lin.in_features // groups)
 
 
 @pytest.mark.usefixtures("restore_tile_max_rows")

@@ -194,20 +194,21 @@ def calibrate(kernels: ModuleType, rows: Sequence[int] = CALIBRATION_ROWS, reps:
         if hasattr(kernels, "set_quant_panel_max_rows"):
             kernels.set_quant_panel_max_rows(panels_before)
     dot, rows_max, dot_from = tile_dot(timings)
-    panels = time_panels(kernels, [m for m in rows if m <= PANEL_ROWS], reps)
+    panels = time_panels(kernels, [m for m in rows if m <= PANEL_ROWS], reps, (layer, gen))
     routing = QuantRouting(rows_max, "measured", cpu_has_amx(), dot, dot_from, tuple(timings),
                            min(crossover(panels, PANEL_MARGIN), rows_max), tuple(panels))
     apply(kernels, routing)
     return routing
 
 
-def time_panels(kernels: ModuleType, rows: Sequence[int], reps: int = 7) -> list[tuple[int, float, float]]:
-    """(rows, panels ms, tiles ms) on the synthetic layer: int4's few-row kernel in panels against the
-    fastest of the tiles' usable dots, at each count; `crossover(..., PANEL_MARGIN)` of it is where the
-    panels stop winning by the margin."""
+def time_panels(kernels: ModuleType, rows: Sequence[int], reps: int = 7,
+                synthetic: tuple[Int4Linear, torch.Generator] | None = None) -> list[tuple[int, float, float]]:
+    """(rows, panels ms, tiles ms) on the synthetic layer (`synthetic`: calibrate's, else made here): int4's
+    few-row kernel in panels against the fastest of the tiles' usable dots, at each count;
+    `crossover(..., PANEL_MARGIN)` of it is where the panels stop winning by the margin."""
     if not hasattr(kernels, "set_quant_panel_max_rows"):
         return []
-    layer, gen = _synthetic_layer()
+    layer, gen = synthetic or _synthetic_layer()
     args = (layer.codes, layer.scales, layer.mins, layer.bits, None)
     dots = dots_available(kernels)
     before = (kernels.quant_panel_max_rows(), kernels.quant_tile_dot(), kernels.quant_tile_dot_from())
@@ -284,10 +285,12 @@ def choose(kernels: ModuleType, tile_max_rows: int | None, max_rows: int) -> Qua
         if tile_max_rows < SKINNY_MAX_ROWS:
             raise ConfigError(f"--quant-tile-max-rows must be at least {SKINNY_MAX_ROWS}, got {tile_max_rows}")
         dot, dot_from = "vnni", 0  # the only dot without AMX: nothing to time
+        panels = None
         if len(dots_available(kernels)) > 1:  # the dot is still measured where there is a choice (AMX)
             m = measured(kernels, max_rows)
-            dot, dot_from = m.tile_dot, m.tile_dot_from
-        panels = measured_panels(kernels)  # below the tiles, whatever their crossover
+            dot, dot_from, panels = m.tile_dot, m.tile_dot_from, m.panel_timings
+        if panels is None:  # below the tiles, whatever their crossover
+            panels = measured_panels(kernels)
         routing = QuantRouting(tile_max_rows, "set", cpu_has_amx(), dot, dot_from,
                                panel_max_rows=min(crossover(panels, PANEL_MARGIN), tile_max_rows),
                                panel_timings=panels)
