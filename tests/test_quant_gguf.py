@@ -51,6 +51,7 @@ def test_default_model_keeps_its_quantized_weights() -> None:
     ids = torch.tensor([0, 17, 49151, 17])
     assert torch.equal(model.embed_tokens(ids), dense_table[ids])  # d q in float32, rounded to bf16 once
     assert weight_bytes(model) < 0.45 * weight_bytes(dense.engine.loaded.model)  # ~103 MiB vs 257 MiB
-    question = [{"role": "user", "content": "What is the capital of France?"}]
+    # a question the model is sure of on every kernel route (test_smollm2.py, SURE_CHAT)
+    question = [{"role": "user", "content": "What is the capital of Japan?"}]
     out = kept.chat(question, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
-    assert "Paris" in out
+    assert "Tokyo" in out

@@ -75,11 +75,19 @@ def test_a_prefix_cache_hit_answers_as_transformers_does(smollm2_gguf: Path, ref
     assert second.outputs[0].token_ids == want
 
 
+# The default model (bfloat16, GGUF layers kept quantized) is asked a question it is sure of: every token of
+# "The capital of Japan is Tokyo." leads the runner-up by >= 1 nat on every quantized-matmul route. Not the
+# France question: its first token is a near-tie ("The" / "L", 0.25-0.5 nats) that the int8 activations'
+# rounding tips either way depending on which kernel the 37-row prefill takes (tiles, panels, or 5 rows
+# after a prefix-cache hit), so its answer is "Paris" or "L'Etoile" by the route, not by a bug.
+SURE_CHAT = [{"role": "user", "content": "What is the capital of Japan?"}]
+
+
 def test_bfloat16_default_answers_too(smollm2_gguf: Path) -> None:
     llm = LLM(kv_cache_memory="64MiB", max_model_len=512)  # the embedded default, bfloat16
     assert llm.engine.loaded.dtype is torch.bfloat16 and llm.engine.model_name == "SmolLM2-135M-Instruct"
-    text = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0].text
-    assert "Paris" in text
+    text = llm.chat(SURE_CHAT, SamplingParams(temperature=0, max_tokens=30))[0].outputs[0].text
+    assert "Tokyo" in text
 
 
 def test_cli_generate_streams_an_answer() -> None:
@@ -87,12 +95,12 @@ def test_cli_generate_streams_an_answer() -> None:
     import sys
 
     r = subprocess.run(
-        [sys.executable, "-m", "tokenloom.cli", "generate", "What is the capital of France?", "--max-tokens", "30",
+        [sys.executable, "-m", "tokenloom.cli", "generate", SURE_CHAT[0]["content"], "--max-tokens", "30",
          "--kv-cache-memory", "64MiB", "--max-model-len", "512"],
         capture_output=True, text=True, timeout=300,
     )
     assert r.returncode == 0, r.stderr
-    assert "Paris" in r.stdout
+    assert "Tokyo" in r.stdout
     assert "max concurrency at max_model_len=512" in r.stderr  # the capacity report
 
 
