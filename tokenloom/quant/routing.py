@@ -60,6 +60,10 @@ PANEL_ROWS = 64  # the int4 few-row kernel's panels are timed against the tiles 
 # through the panels, the two candidates 0.08 nats apart in float32). On the 2-core EPYC the panels won by
 # 12% at 16 rows, 3% at 32 and lost by 2% at 64: the margin keeps 16.
 PANEL_MARGIN = 0.95
+# The panels' calls are short (~0.15 ms at 16 rows on the synthetic layer) and the margin is narrow, so their
+# fastest time is taken over more calls than the routes' (calibrate's `reps`): a make-serve start once timed
+# 0.14 / 0.15 ms at 16 rows, within the margin, and served the panels up to 8 rows only.
+PANEL_REPS_FACTOR = 3
 # The synthetic layer: int4 with groups of 32 (GGUF Q4_0/Q4_1's form, the default model's), 2048 x 1024:
 # 1 MiB of codes, past the L2 cache of the CPUs measured, as a model's layers are.
 _SHAPE = (2048, 1024)
@@ -194,14 +198,14 @@ def calibrate(kernels: ModuleType, rows: Sequence[int] = CALIBRATION_ROWS, reps:
         if hasattr(kernels, "set_quant_panel_max_rows"):
             kernels.set_quant_panel_max_rows(panels_before)
     dot, rows_max, dot_from = tile_dot(timings)
-    panels = time_panels(kernels, [m for m in rows if m <= PANEL_ROWS], reps, (layer, gen))
+    panels = time_panels(kernels, [m for m in rows if m <= PANEL_ROWS], PANEL_REPS_FACTOR * reps, (layer, gen))
     routing = QuantRouting(rows_max, "measured", cpu_has_amx(), dot, dot_from, tuple(timings),
                            min(crossover(panels, PANEL_MARGIN), rows_max), tuple(panels))
     apply(kernels, routing)
     return routing
 
 
-def time_panels(kernels: ModuleType, rows: Sequence[int], reps: int = 7,
+def time_panels(kernels: ModuleType, rows: Sequence[int], reps: int = PANEL_REPS_FACTOR * 7,
                 synthetic: tuple[Int4Linear, torch.Generator] | None = None) -> list[tuple[int, float, float]]:
     """(rows, panels ms, tiles ms) on the synthetic layer (`synthetic`: calibrate's, else made here): int4's
     few-row kernel in panels against the fastest of the tiles' usable dots, at each count;
