@@ -77,10 +77,10 @@ def test_a_prefix_cache_hit_answers_as_transformers_does(smollm2_gguf: Path, ref
 
 # The default model (bfloat16, GGUF layers kept quantized) is asked a question it is sure of: every token of
 # "The capital of Japan is Tokyo." led the runner-up by >= 1 nat through the tiles and through the panels
-# (2026-12-07, the 2-core EPYC: the prefill forced each way). Not the
-# France question: its first token is a near-tie ("The" / "L", 0.25-0.5 nats) that the int8 activations'
-# rounding tips either way depending on which kernel the 37-row prefill takes (tiles, panels, or 5 rows
-# after a prefix-cache hit), so its answer is "Paris" or "L'Etoile" by the route, not by a bug.
+# (2026-12-07, the 2-core EPYC: the prefill forced each way). Not the France question: its first token is a
+# near-tie ("The" / "L", 0.25-0.5 nats) that the int8 activations' rounding tips either way depending on
+# which kernel the 37-row prefill takes (tiles, panels, or 5 rows after a prefix-cache hit), so its answer
+# is "Paris" or "L'Etoile" by the route, not by a bug.
 SURE_CHAT = [{"role": "user", "content": "What is the capital of Japan?"}]
 
 
