@@ -338,6 +338,10 @@ def test_a_split_fleets_steps_cost_their_roles_ratios_alone_and_beside_the_other
                    split_decode_peer_ratio=0.0)
     a0, _ = simulate(none, split, reqs).records
     assert a0.token_times[:3] == pytest.approx([0.011, 0.016, 0.021])
+    # A decode worker's step that holds a prompt chunk pays split_decode_chunk_ratio more, its decode-only
+    # steps not: A alone, its prompt's step on the decode worker 6-11 ms becomes 6-13.5, the 5 ms steps stay.
+    c0, = simulate(replace(none, split_decode_chunk_ratio=0.5), split, reqs[:1]).records
+    assert c0.token_times[:3] == pytest.approx([0.0135, 0.0185, 0.0235])
     # A colocated cluster's workers never pay them.
     cluster = FleetConfig(workers=2, policy="round_robin", router=False)
     assert [r.token_times for r in simulate(p, cluster, reqs).records] == \
@@ -345,22 +349,38 @@ def test_a_split_fleets_steps_cost_their_roles_ratios_alone_and_beside_the_other
 
 
 def _split_traces(folder: Path, bare: Profile, prefill: tuple[float, float],
-                  decode: tuple[float, float]) -> tuple[Path, Path]:
+                  decode: tuple[float, float], decode_chunk: float | None = None) -> tuple[Path, Path]:
     """A split fleet's worker traces (decode, prefill) whose steps cost price x (1 + alone + peer x busy).
     The decode worker's loop iterations cover 0-60 s back to back (a step at each second, 1-8 rows); a
     128-token prefill step starts 5 ms before every odd second (busy 1: inside them), so that the decode
     steps of odd seconds run beside it (busy 1) and even ones alone; ten more prefill steps at 61-70 s
-    run alone."""
+    run alone. With `decode_chunk`, every third decode step also holds a 12-token prompt chunk (the tail
+    of a prompt past its last whole block) and costs + decode_chunk x its price."""
     folder.mkdir(exist_ok=True)
     dsteps = []
     for k in range(60):
-        rows = [(1, 100)] * (1 + k % 8)
-        e = bare.cost.step_time(rows) * (1 + decode[0] + decode[1] * (k % 2))
+        chunk = decode_chunk is not None and k % 3 == 0
+        rows = [(1, 100)] * (1 + k % 8) + ([(12, 96)] if chunk else [])
+        e = bare.cost.step_time(rows) * (1 + decode[0] + decode[1] * (k % 2) + (decode_chunk or 0.0) * chunk)
         dsteps.append((float(k), e, rows, 1.0 - e))
     psteps = []
     for t, busy in [(k - 0.005, 1) for k in range(1, 60, 2)] + [(float(k), 0) for k in range(61, 71)]:
         psteps.append((t, bare.cost.step_time([(128, 0)]) * (1 + prefill[0] + prefill[1] * busy), [(128, 0)], 0.0))
     return _timed_trace(folder / "worker-0.csv", dsteps), _timed_trace(folder / "worker-1.csv", psteps)
+
+
+def test_a_decode_workers_prompt_chunk_steps_get_their_own_ratio(tmp_path: Path) -> None:
+    """Plan validation run 41's decode worker ran its decode-only steps near their price and its steps holding
+    a prompt chunk ~1.3x; one ratio over both priced the light load's 1-row steps high. The fit now tells
+    them apart: decode steps at their price alone, +0.1 beside a prefill, +0.3 holding a chunk."""
+    from tokenloom.plan.host import attribute, fit_split_ratios, load_trace
+
+    bare = profile((0.002, 1e-4, 2e-4))
+    dw, pw = _split_traces(tmp_path, bare, (0.05, 0.2), (0.0, 0.1), decode_chunk=0.3)
+    fit = fit_split_ratios(attribute(bare, load_trace([dw, pw])), {str(pw)})
+    assert fit.decode == pytest.approx((0.0, 0.1), abs=2e-3) and fit.decode_chunk == pytest.approx(0.3, abs=2e-3)
+    assert fit.prefill == pytest.approx((0.05, 0.2), abs=2e-3)
+    assert fit.line().endswith("+0.300 holding a prompt chunk")
 
 
 def test_the_split_ratios_come_from_each_roles_steps_beside_the_others(tmp_path: Path) -> None:
@@ -374,6 +394,7 @@ def test_the_split_ratios_come_from_each_roles_steps_beside_the_others(tmp_path:
     assert fit.prefill == pytest.approx((0.05, 0.2), abs=2e-3)  # the trace keeps microseconds
     assert fit.decode == pytest.approx((0.15, 0.1), abs=2e-3)
     assert fit.prefill_busy == pytest.approx(0.75) and fit.decode_busy == pytest.approx(0.5)
+    assert fit.decode_chunk == 0.0  # no decode step held a prompt chunk
     assert fit.line().startswith("prefill steps x1.050 their price alone, +0.200 beside")
     # Decode steps faster beside a prefill step than alone: no negative cost; the alone part takes their mean.
     fd, fp = _split_traces(tmp_path / "faster", bare, (0.05, 0.2), (0.1, -0.1))

@@ -344,6 +344,7 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
         log(f"split step traces: {split_spread.line()}")
         out = replace(out, split_prefill_ratio=split_fit.prefill[0], split_prefill_peer_ratio=split_fit.prefill[1],
                       split_decode_ratio=split_fit.decode[0], split_decode_peer_ratio=split_fit.decode[1],
+                      split_decode_chunk_ratio=split_fit.decode_chunk,
                       step_spread={**out.step_spread, **{f"split-{k}": t for k, t in split_spread.tables.items()}})
     if s_pts is not None:
         s_fleet, s_light, s_loaded = s_pts
@@ -378,7 +379,7 @@ def calibrate(profile: Profile, folders: list[Path], fleet: FleetConfig, seed: i
 _NO_FLEET_TERMS = {name: 0.0 for name in ("router_hop_s", "router_step_s", "router_token_s", "peer_chunk_ratio",
                                           "handoff_s", "interference_step_s", "split_prefill_ratio",
                                           "split_prefill_peer_ratio", "split_decode_ratio",
-                                          "split_decode_peer_ratio")}
+                                          "split_decode_peer_ratio", "split_decode_chunk_ratio")}
 
 
 def _split_ratio_fit(prof: Profile, fleet: FleetConfig, traces: list[Path]) -> tuple[SplitRatioFit, SpreadFit]:
@@ -404,6 +405,7 @@ def overheads_line(prof: Profile) -> str:
             f"split handoff +{prof.handoff_s * 1e3:.1f} ms; "
             f"interference {prof.interference_step_s * 1e3:.2f} ms per streaming step/s of other workers; split "
             f"prefill steps x{1 + prof.split_prefill_ratio:.3f} +{prof.split_prefill_peer_ratio:.3f} beside decode work, "
-            f"decode steps x{1 + prof.split_decode_ratio:.3f} +{prof.split_decode_peer_ratio:.3f} beside a prefill; "
+            f"decode steps x{1 + prof.split_decode_ratio:.3f} +{prof.split_decode_peer_ratio:.3f} beside a prefill "
+            f"+{prof.split_decode_chunk_ratio:.3f} holding a prompt chunk; "
             f"step spread "
             f"{', '.join(sorted(prof.step_spread)) or 'none'}")

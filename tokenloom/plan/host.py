@@ -258,6 +258,7 @@ def fit_spread(attributed: pd.DataFrame, points: int = SPREAD_POINTS,
 class SplitRatioFit:
     prefill: tuple[float, float]  # (alone, peer): a prefill step costs price x (1 + alone + peer x busy)
     decode: tuple[float, float]  # the same for a decode worker's steps, busy beside a prefill worker's
+    decode_chunk: float  # + this x price for a decode worker's step that holds a prompt chunk
     prefill_steps: int
     decode_steps: int
     prefill_busy: float  # the mean fraction of those steps' time beside the other role's work
@@ -270,17 +271,21 @@ class SplitRatioFit:
             return (f"{name} steps x{1 + r[0]:.3f} their price alone, +{r[1]:.3f} beside the other role's work "
                     f"({n} traced, {busy:.0%} of their time beside it)")
         return "; ".join((one("prefill", self.prefill, self.prefill_steps, self.prefill_busy),
-                          one("decode", self.decode, self.decode_steps, self.decode_busy)))
+                          one("decode", self.decode, self.decode_steps, self.decode_busy)
+                          + (f", +{self.decode_chunk:.3f} holding a prompt chunk" if self.decode_steps else "")))
 
 
-def _ratio_fit(df: pd.DataFrame, busy: np.ndarray) -> tuple[float, float]:
-    """engine - price ~ alone x price + peer x price x busy, non-negative least squares (unweighted: the
-    total time is what the simulation must get right, which the long steps carry)."""
+def _ratio_fit(df: pd.DataFrame, busy: np.ndarray, chunk: np.ndarray | None = None) -> tuple[float, ...]:
+    """engine - price ~ alone x price + peer x price x busy (+ chunk_extra x price x chunk, where `chunk`
+    marks the steps holding a prompt chunk), non-negative least squares (unweighted: the total time is what
+    the simulation must get right, which the long steps carry)."""
+    cols = 2 if chunk is None else 3
     if df.empty:
-        return 0.0, 0.0
+        return (0.0,) * cols
     price = df["predicted"].to_numpy(float)
-    x = nnls(np.column_stack([price, price * busy]), df["engine"].to_numpy(float) - price)
-    return float(x[0]), float(x[1])
+    a = [price, price * busy] + ([] if chunk is None else [price * chunk])
+    x = nnls(np.column_stack(a), df["engine"].to_numpy(float) - price)
+    return tuple(float(v) for v in x)
 
 
 def fit_split_ratios(attributed: pd.DataFrame, prefill_traces: Collection[str]) -> SplitRatioFit:
@@ -297,15 +302,22 @@ def fit_split_ratios(attributed: pd.DataFrame, prefill_traces: Collection[str]) 
     (their measured 1.25x) and the decode worker at its price, so the split fleet's TPOT came out 12-41%
     short in run 35 and its loaded TTFT up to 56% long. Where a role's steps all ran beside the other
     role's work, or none did, alone and peer cannot be told apart: the fit fixes their sum (or alone), which
-    is what the simulator charges steps in the same situation."""
+    is what the simulator charges steps in the same situation. A decode worker's steps that hold a prompt
+    chunk (the tail of a prompt past its last whole imported block) get a third term, + decode_chunk x
+    price: in plan validation run 41 they ran 1.28-1.30x their price at 8-32 rows against 0.94-1.16x for
+    its decode-only steps, and one ratio over both (1.077) priced the light load's 1-row steps ~10% high;
+    rejudged with the term, runs 38-41's split light-load TPOT p50 came out 3-8 points closer."""
     is_prefill = attributed["trace"].isin(list(prefill_traces)).to_numpy(bool)
     decode_traces = set(attributed["trace"][~is_prefill])
     beside_decode = peer_busy(attributed, decode_traces)  # for the prefill workers' steps
     beside_prefill = peer_busy(attributed, prefill_traces)  # for the decode workers'
     ok = (attributed["predicted"] > 0).to_numpy(bool)
     pre, dec = is_prefill & ok, ~is_prefill & ok
-    return SplitRatioFit(_ratio_fit(attributed[pre], beside_decode[pre]),
-                         _ratio_fit(attributed[dec], beside_prefill[dec]), int(pre.sum()), int(dec.sum()),
+    chunk = (~attributed["decode_only"]).to_numpy(float)
+    prefill = _ratio_fit(attributed[pre], beside_decode[pre])
+    *decode, decode_chunk = _ratio_fit(attributed[dec], beside_prefill[dec], chunk[dec])
+    return SplitRatioFit((prefill[0], prefill[1]), (decode[0], decode[1]), decode_chunk,
+                         int(pre.sum()), int(dec.sum()),
                          float(beside_decode[pre].mean()) if pre.any() else 0.0,
                          float(beside_prefill[dec].mean()) if dec.any() else 0.0)
 

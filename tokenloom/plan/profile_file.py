@@ -17,7 +17,7 @@ MEASURED = "measured"
 # beside the engine step's cost.
 OVERHEADS = ("overhead_step_s", "overhead_row_s", "request_s", "response_s", "router_hop_s", "router_step_s",
              "router_token_s", "peer_chunk_ratio", "handoff_s", "interference_step_s", "split_prefill_ratio",
-             "split_prefill_peer_ratio", "split_decode_ratio", "split_decode_peer_ratio")
+             "split_prefill_peer_ratio", "split_decode_ratio", "split_decode_peer_ratio", "split_decode_chunk_ratio")
 # Terms older versions fitted and this one no longer simulates: a profile may carry them at 0 (every profile
 # written then did, calibrated or not); a calibrated value is refused, since it would price nothing now.
 RETIRED = {"split_decode_row_s": "split_decode_ratio and split_decode_peer_ratio (2026-12-07)"}
@@ -92,6 +92,11 @@ class Profile:
     split_prefill_peer_ratio: float = 0.0
     split_decode_ratio: float = 0.0
     split_decode_peer_ratio: float = 0.0
+    # And a decode worker's step that holds a prompt chunk: + split_decode_chunk_ratio x its price more. In
+    # plan validation run 41 (2026-12-07) the decode worker's chunk steps ran 1.28-1.30x their price at 8-32
+    # rows and its decode-only steps 0.94-1.16x; one ratio over both (1.077) priced the light load's 1-row
+    # steps ~10% high. 0 in profiles calibrated before it (their decode ratio then covers both kinds).
+    split_decode_chunk_ratio: float = 0.0
     kv_export_s_per_block: float = 0.0  # see KV_MOVES
     kv_import_s_per_block: float = 0.0
     # See SPREAD_KEYS. On the 2-core EPYC a 2-worker cluster's prompt-chunk steps ran up to 1.58x their mean

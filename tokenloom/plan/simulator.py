@@ -185,6 +185,7 @@ class SimWorker:
         ratios = {"prefill": (profile.split_prefill_ratio, profile.split_prefill_peer_ratio),
                   "decode": (profile.split_decode_ratio, profile.split_decode_peer_ratio)}
         self.split_ratio = ratios.get(role, (0.0, 0.0))
+        self.split_chunk_ratio = profile.split_decode_chunk_ratio if role == "decode" else 0.0
         self.stream_rate = 0.0  # 1 / its step's duration while a step that streams tokens is in flight, else 0
         # A split fleet's KV handoff copies on the engine thread between steps (the profile's per-block
         # export / import times): held until then, no step starts; imports that arrive during a step wait.
@@ -218,7 +219,8 @@ class SimWorker:
         # Fractions of the engine's price (no spread, no overheads), as plan/host.py fits them: a split
         # fleet's role ratios, a colocated worker's prompt chunk beside another worker's step (fit_peer_chunks).
         alone, peer = self.split_ratio
-        extra = alone + (peer if other_role_busy else 0.0) + (self.chunk_ratio if chunk and peer_stepping else 0.0)
+        extra = (alone + (peer if other_role_busy else 0.0) + (self.chunk_ratio if chunk and peer_stepping else 0.0)
+                 + (self.split_chunk_ratio if chunk else 0.0))
         if extra:
             dt += extra * self.profile.cost.step_time(rows)
         if chunk:
