@@ -17,7 +17,8 @@ MEASURED = "measured"
 # beside the engine step's cost.
 OVERHEADS = ("overhead_step_s", "overhead_row_s", "request_s", "response_s", "router_hop_s", "router_step_s",
              "router_token_s", "peer_chunk_ratio", "handoff_s", "interference_step_s", "split_prefill_ratio",
-             "split_prefill_peer_ratio", "split_decode_ratio", "split_decode_peer_ratio", "split_decode_chunk_ratio")
+             "split_prefill_peer_ratio", "split_decode_ratio", "split_decode_peer_ratio",
+             "split_decode_chunk_ratio")
 # Terms older versions fitted and this one no longer simulates: a profile may carry them at 0 (every profile
 # written then did, calibrated or not); a calibrated value is refused, since it would price nothing now.
 RETIRED = {"split_decode_row_s": "split_decode_ratio and split_decode_peer_ratio (2026-12-07)"}
