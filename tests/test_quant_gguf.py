@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
+from test_smollm2 import SURE_CHAT  # a question the model is sure of on every kernel route
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.models.gguf_kept import blocks_to_codes
@@ -51,7 +52,5 @@ def test_default_model_keeps_its_quantized_weights() -> None:
     ids = torch.tensor([0, 17, 49151, 17])
     assert torch.equal(model.embed_tokens(ids), dense_table[ids])  # d q in float32, rounded to bf16 once
     assert weight_bytes(model) < 0.45 * weight_bytes(dense.engine.loaded.model)  # ~103 MiB vs 257 MiB
-    # a question the model is sure of on every kernel route (test_smollm2.py, SURE_CHAT)
-    question = [{"role": "user", "content": "What is the capital of Japan?"}]
-    out = kept.chat(question, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
+    out = kept.chat(SURE_CHAT, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
     assert "Tokyo" in out

@@ -275,16 +275,15 @@ class SplitRatioFit:
                           + (f", +{self.decode_chunk:.3f} holding a prompt chunk" if self.decode_steps else "")))
 
 
-def _ratio_fit(df: pd.DataFrame, busy: np.ndarray, chunk: np.ndarray | None = None) -> tuple[float, ...]:
-    """engine - price ~ alone x price + peer x price x busy (+ chunk_extra x price x chunk, where `chunk`
-    marks the steps holding a prompt chunk), non-negative least squares (unweighted: the total time is what
-    the simulation must get right, which the long steps carry)."""
-    cols = 2 if chunk is None else 3
+def _ratio_fit(df: pd.DataFrame, *marks: np.ndarray) -> tuple[float, ...]:
+    """engine - price ~ alone x price + sum of coef_i x price x marks_i (busy: the fraction of the step beside
+    the other role's work; a decode worker's 0/1 for holding a prompt chunk), non-negative least squares
+    (unweighted: the total time is what the simulation must get right, which the long steps carry).
+    Returns (alone, coef_1, ...)."""
     if df.empty:
-        return (0.0,) * cols
+        return (0.0,) * (1 + len(marks))
     price = df["predicted"].to_numpy(float)
-    a = [price, price * busy] + ([] if chunk is None else [price * chunk])
-    x = nnls(np.column_stack(a), df["engine"].to_numpy(float) - price)
+    x = nnls(np.column_stack([price, *(price * m for m in marks)]), df["engine"].to_numpy(float) - price)
     return tuple(float(v) for v in x)
 
 
@@ -314,10 +313,9 @@ def fit_split_ratios(attributed: pd.DataFrame, prefill_traces: Collection[str]) 
     ok = (attributed["predicted"] > 0).to_numpy(bool)
     pre, dec = is_prefill & ok, ~is_prefill & ok
     chunk = (~attributed["decode_only"]).to_numpy(float)
-    prefill = _ratio_fit(attributed[pre], beside_decode[pre])
-    *decode, decode_chunk = _ratio_fit(attributed[dec], beside_prefill[dec], chunk[dec])
-    return SplitRatioFit((prefill[0], prefill[1]), (decode[0], decode[1]), decode_chunk,
-                         int(pre.sum()), int(dec.sum()),
+    p_alone, p_peer = _ratio_fit(attributed[pre], beside_decode[pre])
+    d_alone, d_peer, d_chunk = _ratio_fit(attributed[dec], beside_prefill[dec], chunk[dec])
+    return SplitRatioFit((p_alone, p_peer), (d_alone, d_peer), d_chunk, int(pre.sum()), int(dec.sum()),
                          float(beside_decode[pre].mean()) if pre.any() else 0.0,
                          float(beside_prefill[dec].mean()) if dec.any() else 0.0)
 

@@ -182,10 +182,11 @@ class SimWorker:
         # A colocated worker's prompt chunks beside another worker's step: the profile timed them alone.
         self.chunk_ratio = profile.peer_chunk_ratio if role == "worker" and fleet.workers > 1 else 0.0
         # A split fleet's worker: its step's price x (alone, beside the other role's work) more.
-        ratios = {"prefill": (profile.split_prefill_ratio, profile.split_prefill_peer_ratio),
-                  "decode": (profile.split_decode_ratio, profile.split_decode_peer_ratio)}
-        self.split_ratio = ratios.get(role, (0.0, 0.0))
-        self.split_chunk_ratio = profile.split_decode_chunk_ratio if role == "decode" else 0.0
+        # (alone, beside the other role's work, holding a prompt chunk): only a decode worker has the last.
+        ratios = {"prefill": (profile.split_prefill_ratio, profile.split_prefill_peer_ratio, 0.0),
+                  "decode": (profile.split_decode_ratio, profile.split_decode_peer_ratio,
+                             profile.split_decode_chunk_ratio)}
+        self.split_ratio = ratios.get(role, (0.0, 0.0, 0.0))
         self.stream_rate = 0.0  # 1 / its step's duration while a step that streams tokens is in flight, else 0
         # A split fleet's KV handoff copies on the engine thread between steps (the profile's per-block
         # export / import times): held until then, no step starts; imports that arrive during a step wait.
@@ -218,9 +219,9 @@ class SimWorker:
         dt = self.profile.step_time(rows, spread) + self.router_step_s + self.token_s * streamed
         # Fractions of the engine's price (no spread, no overheads), as plan/host.py fits them: a split
         # fleet's role ratios, a colocated worker's prompt chunk beside another worker's step (fit_peer_chunks).
-        alone, peer = self.split_ratio
-        extra = (alone + (peer if other_role_busy else 0.0) + (self.chunk_ratio if chunk and peer_stepping else 0.0)
-                 + (self.split_chunk_ratio if chunk else 0.0))
+        alone, peer, holding_chunk = self.split_ratio
+        extra = (alone + (peer if other_role_busy else 0.0) + (holding_chunk if chunk else 0.0)
+                 + (self.chunk_ratio if chunk and peer_stepping else 0.0))
         if extra:
             dt += extra * self.profile.cost.step_time(rows)
         if chunk:

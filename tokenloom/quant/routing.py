@@ -64,6 +64,7 @@ PANEL_MARGIN = 0.95
 # fastest time is taken over more calls than the routes' (calibrate's `reps`): a make-serve start once timed
 # 0.14 / 0.15 ms at 16 rows, within the margin, and served the panels up to 8 rows only.
 PANEL_REPS_FACTOR = 3
+ROUTE_REPS = 7  # calls per route and count at start-up; the fastest counts (fastest_ms)
 # The synthetic layer: int4 with groups of 32 (GGUF Q4_0/Q4_1's form, the default model's), 2048 x 1024:
 # 1 MiB of codes, past the L2 cache of the CPUs measured, as a model's layers are.
 _SHAPE = (2048, 1024)
@@ -165,7 +166,7 @@ def dots_available(kernels: ModuleType) -> tuple[str, ...]:
     return tuple(getattr(kernels, "quant_tile_dots", lambda: ["vnni"])())
 
 
-def calibrate(kernels: ModuleType, rows: Sequence[int] = CALIBRATION_ROWS, reps: int = 7) -> QuantRouting:
+def calibrate(kernels: ModuleType, rows: Sequence[int] = CALIBRATION_ROWS, reps: int = ROUTE_REPS) -> QuantRouting:
     """Time the routes (each usable dot of the tiles, the expansion) on the synthetic layer, then int4's
     panels against the tiles (time_panels), set the crossovers and the dot in `kernels`; about a second
     (two or three with AMX's two dots)."""
@@ -205,7 +206,7 @@ def calibrate(kernels: ModuleType, rows: Sequence[int] = CALIBRATION_ROWS, reps:
     return routing
 
 
-def time_panels(kernels: ModuleType, rows: Sequence[int], reps: int = PANEL_REPS_FACTOR * 7,
+def time_panels(kernels: ModuleType, rows: Sequence[int], reps: int = PANEL_REPS_FACTOR * ROUTE_REPS,
                 synthetic: tuple[Int4Linear, torch.Generator] | None = None) -> list[tuple[int, float, float]]:
     """(rows, panels ms, tiles ms) on the synthetic layer (`synthetic`: calibrate's, else made here): int4's
     few-row kernel in panels against the fastest of the tiles' usable dots, at each count;
