@@ -108,7 +108,7 @@ def _int8_x_oracle(layer: KQuantLinear, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 16, 19, 64])
 @pytest.mark.parametrize("qtype", KQUANT_TYPES, ids=lambda q: q.name)
 def test_vnni_route_is_its_int8_activation_arithmetic(qtype: Q, rows: int) -> None:
-    """The vnni route multiplies int8 x by the codes (vpdpbusd), per row of W for 1 to 3 rows of x (Q5_0: 4)
+    """The vnni route multiplies int8 x by the codes (vpdpbusd), per row of W for 1 to 3 rows of x
     and in 16-channel tiles beyond (kquant.cpp tile_min_rows; 19: a last pass of 3 rows; N = 37 and
     19: partial tiles): it must match
     the model of that arithmetic to bf16 output rounding, tighter than it matches float x."""

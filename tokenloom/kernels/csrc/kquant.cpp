@@ -23,7 +23,7 @@
 //     bit j of qh element j's fifth bit. Stored as planes: row = d[nb] | qh[nb] | qs[nb] (nb = K / 32)
 //
 // Routes (kquant_routes() lists those compiled in; `route` forces one, for tests and benchmarks):
-//   1 "vnni"     AVX512-VNNI. Up to 3 or 4 rows (tile_min_rows; decode, speculative verification): each weight byte
+//   1 "vnni"     AVX512-VNNI. Up to 3 rows (tile_min_rows; decode, speculative verification): each weight byte
 //                read once and dotted with all M rows of x, per row of W. x is quantized like llama.cpp's Q8_0
 //                activations: int8 per 32 inputs, xq = round(x / dx), dx = max |x| / 127, so that one
 //                vpdpbusd multiplies 64 codes by 64 xq. The K-quants' integer sub-block scales multiply the
@@ -504,12 +504,15 @@ qtile::Tile fill_kquant(const uint8_t* blocks, int64_t row_bytes, int64_t N, int
     const int64_t nb = K / 32;
     const int64_t lines = (row_bytes + 63) / 64, steps = (nb + 1) / 2;
     for (int64_t b = 0; b < nb; b += 2) {
+      // The share of each row's lines (all three planes) this step prefetches. Computed here, once per
+      // step: inside the channel loop the compiler kept both 64-bit divisions per channel, which cost the
+      // fill more than its decoding (perf: ~half of the tile route's time at 5 rows).
+      const int64_t l0 = b / 2 * lines / steps, l1 = (b / 2 + 1) * lines / steps;
       __m512i v[16];
       for (int64_t j = 0; j < C; ++j) {
         const uint8_t* row = blocks + (n0 + j) * row_bytes;
-        if (n0 + A + j < N)  // the share of its lines for this step of the whole row's three planes
-          for (int64_t l = b / 2 * lines / steps; l < (b / 2 + 1) * lines / steps; ++l)
-            qtile::prefetch_l2(row + ahead + 64 * l);
+        if (n0 + A + j < N)
+          for (int64_t l = l0; l < l1; ++l) qtile::prefetch_l2(row + ahead + 64 * l);
         v[j] = j >= r ? _mm512_setzero_si512()
              : b + 1 < nb ? codes_q50_pair(row + 6 * nb + 16 * b, row + 2 * nb + 4 * b)
                           : _mm512_zextsi256_si512(codes_q50_block(row + 6 * nb + 16 * b, row + 2 * nb + 4 * b));
@@ -609,12 +612,11 @@ at::Tensor tile_kquant(int64_t qtype, const at::Tensor& x, const uint8_t* blocks
 // the tiles' per 32 inputs per row of x and 16 of W, but the tiles pay a decode and 16 x 16 transpose per
 // call. Measured on Zen 4 out of cache (docs/performance-notes.md#quantized-batching), since the fill asks
 // for the next pair's rows into L2 as it goes: the K-quants' tiles win from 4 rows (1.32-1.52x bf16 against
-// the few-row kernels' 1.16-1.46x; at 3 rows the few-row kernels, 1.40-1.85x against 1.34-1.70x), Q5_0's
-// from 5 (its fill, three planes per row, is the dearest: at 4 rows its few-row kernel 1.17-1.19x, the
-// tiles 1.03-1.08x).
-inline int64_t tile_min_rows(int64_t qtype) {
-  return std::min<int64_t>(qtype == kQ5_0 ? 5 : 4, kSkinnyMaxRows + 1);
-}
+// the few-row kernels' 1.16-1.46x; at 3 rows the few-row kernels, 1.40-1.85x against 1.34-1.70x), and so
+// do Q5_0's since its fill lost two divisions per channel and its transposes were inlined (at 4 rows, 2048 x
+// 2048 layers, one thread: tiles 353-358 us a layer out of cache, 304-314 in cache, against its few-row
+// kernel's 425-437 and 345; at 3 rows the few-row kernel, 284 against 302-305 in cache).
+inline int64_t tile_min_rows() { return std::min<int64_t>(4, kSkinnyMaxRows + 1); }
 
 bool route_compiled(int64_t route) {
   switch (route) {
@@ -692,7 +694,7 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   const auto* wb = blocks.data_ptr<uint8_t>();
   if (route != kVnni) return expanded(qtype, xc, wb, blocks.size(1), N, K, bias, route == kAvx512);
 #ifdef TOKENLOOM_KQ_VNNI
-  if (M >= tile_min_rows(qtype)) return tile_kquant(qtype, xc, wb, blocks.size(1), N, K, b);
+  if (M >= tile_min_rows()) return tile_kquant(qtype, xc, wb, blocks.size(1), N, K, b);
   const int64_t Kp = (K + 63) / 64 * 64;
   thread_local std::vector<int8_t> xq_buf;
   thread_local std::vector<float> dl_buf, s_buf;
