@@ -112,3 +112,47 @@ def test_stack_rejects_bad_layers() -> None:
         K.FusedLinear(torch.zeros(4, 32, dtype=torch.int8), None, None, None, 8)
     with pytest.raises(RuntimeError, match="bfloat16 weight"):
         K.FusedLinear(torch.zeros(4, 4), None, None, None, 16)
+
+
+@pytest.mark.parametrize("arch,window", [("llama", 0), ("qwen2", 0), ("mistral", 48)])
+def test_threaded_step_equals_the_python_model(tmp_path: Path, arch: str, window: int) -> None:
+    """A bfloat16 model's few-row decode steps on the stack's own threads (forward_threaded: head size 64, which
+    has the bfloat16 attention kernel; qwen2 adds q/k/v biases, mistral a window shorter than the contexts),
+    equal to the Python model bit for bit, with contexts long enough that the attention's pieces cut items
+    between the two threads (3 KV heads of ~150-250 tokens) and are combined."""
+    extra: dict[str, Any] = {"sliding_window": window} if window else {}
+    folder = make_tiny_model(tmp_path / "m", arch=arch, seed=5, hidden_size=192, num_attention_heads=3,
+                             num_key_value_heads=3, intermediate_size=256, **extra)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        # Without prepacked copies every dense layer takes skinny_linear up to 8 rows (with them, up to the
+        # count measured at start-up), so 1-8 rows run threaded whatever the CPU measured.
+        llm = LLM(str(folder), dtype="bfloat16", kv_cache_memory="16MiB", max_model_len=512, block_size=16,
+                  enable_prefix_caching=False, prepack_weights=False)
+        runner = llm.engine.runner
+        stack = runner.fused.stack
+        assert [stack.threaded(b) for b in (1, 8, 9)] == [True, True, False]
+        inner = runner.fused.forward
+        served: list[tuple[int, bool]] = []
+
+        def checked(input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+            got = inner(input_ids, positions, meta)
+            want = runner.model(input_ids, positions, runner.kv_caches, meta)
+            served.append((input_ids.numel(), torch.equal(got, want)))
+            return got
+
+        runner.fused.forward = checked  # type: ignore[method-assign]
+        prompts = [[3 + i % 300 for i in range(n)] for n in (150, 90, 230)]
+        params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2, temperature=0.0)
+        got = llm.generate(prompts, params) + llm.generate(prompts[2:], params)  # three rows, then one
+        assert served and all(same for _, same in served)
+        assert {n for n, _ in served} >= {1, 3}
+        # The per-kernel path (threads off) gives the same tokens and logprobs.
+        stack.set_threaded(False)
+        again = llm.generate(prompts, params) + llm.generate(prompts[2:], params)
+        for g, w in zip(got, again):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            assert g.outputs[0].logprobs == w.outputs[0].logprobs
+    finally:
+        torch.set_num_threads(before)

@@ -19,6 +19,7 @@
 
 #include "dtype.h"
 #include "kernels.h"
+#include "rows.h"
 
 // Rows per parallel chunk such that a chunk holds at least ~32k elements. Smaller jobs (a decode
 // step's few rows) run on the calling thread: a 2-thread OpenMP region for microseconds of work costs
@@ -26,33 +27,16 @@
 // holds one of the cores.
 static inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, (int64_t{1} << 15) / row_elems); }
 
-// normed = weight * round(x * rsqrt(mean(x^2) + eps)), computed in float32.
+// normed = weight * round(x * rsqrt(mean(x^2) + eps)), computed in float32 (rows.h add_rms_norm_row).
 // With `residual`: x = round(x + residual) first, and that sum is returned as the new residual.
 template <typename T>
 static void add_rms_norm_kernel(const T* x, const T* res, const T* w, T* out, T* new_res, int64_t rows, int64_t H,
                                 float eps) {
   at::parallel_for(0, rows, grain_rows(H), [&](int64_t begin, int64_t end) {
     std::vector<float> h(H);
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * H;
-      float ss = 0.f;
-      if (res != nullptr) {
-        const T* rr = res + r * H;
-        T* nr = new_res + r * H;
-        for (int64_t i = 0; i < H; ++i) {
-          float v = round_to<T>(to_float(xr[i]) + to_float(rr[i]));
-          nr[i] = from_float<T>(v);
-          h[i] = v;
-        }
-      } else {
-        for (int64_t i = 0; i < H; ++i) h[i] = to_float(xr[i]);
-      }
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < H; ++i) ss += h[i] * h[i];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
-      T* orow = out + r * H;
-      for (int64_t i = 0; i < H; ++i) orow[i] = from_float<T>(to_float(w[i]) * round_to<T>(h[i] * inv));
-    }
+    for (int64_t r = begin; r < end; ++r)
+      add_rms_norm_row<T>(x + r * H, res == nullptr ? nullptr : res + r * H, w, out + r * H,
+                          res == nullptr ? nullptr : new_res + r * H, H, eps, h.data());
   });
 }
 
@@ -140,19 +124,7 @@ template <typename T, typename Act>
 static void gated_and_mul_kernel(const T* in, T* out, int64_t rows, int64_t I, Act act) {
   at::parallel_for(0, rows, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(I);
-    float* __restrict__ f = buf.data();
-    for (int64_t r = begin; r < end; ++r) {
-      const T* __restrict__ gate = in + r * 2 * I;
-      const T* __restrict__ up = gate + I;
-      T* __restrict__ o = out + r * I;
-      // Three simple passes vectorise where one fused loop over the storage type does not.
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) f[i] = to_float(gate[i]);
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) f[i] = round_to<T>(act(f[i])) * to_float(up[i]);
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = from_float<T>(f[i]);
-    }
+    for (int64_t r = begin; r < end; ++r) gated_and_mul_row<T>(in + r * 2 * I, out + r * I, I, act, buf.data());
   });
 }
 
@@ -170,7 +142,7 @@ static at::Tensor gated_and_mul(const at::Tensor& x, const char* name, Act act) 
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  return gated_and_mul(x, "silu_and_mul", [](float g) { return g / (1.f + exp_fast(-g)); });
+  return gated_and_mul(x, "silu_and_mul", [](float g) { return silu(g); });
 }
 
 at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
@@ -183,34 +155,10 @@ at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
 // x1' = round(round(x1 * c) + round(-x2 * s)),  x2' = round(round(x2 * c) + round(x1 * s))
 template <typename T>
 static void rope_kernel(T* x, int64_t row_stride, const T* cos, const T* sin, int64_t tokens, int64_t H, int64_t D) {
-  const int64_t half = D / 2;
   at::parallel_for(0, tokens, grain_rows(H * D), [&](int64_t begin, int64_t end) {
-    std::vector<float> c(D), s(D), a(half), b(half);
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t i = 0; i < D; ++i) {
-        c[i] = to_float(cos[t * D + i]);
-        s[i] = to_float(sin[t * D + i]);
-      }
-      for (int64_t h = 0; h < H; ++h) {
-        T* __restrict__ v1 = x + t * row_stride + h * D;
-        T* __restrict__ v2 = v1 + half;
-        float* __restrict__ pa = a.data();
-        float* __restrict__ pb = b.data();
-        const float* __restrict__ pc = c.data();
-        const float* __restrict__ ps = s.data();
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = to_float(v1[i]), x2 = to_float(v2[i]);
-          pa[i] = round_to<T>(x1 * pc[i]) + round_to<T>(-x2 * ps[i]);
-          pb[i] = round_to<T>(x2 * pc[i + half]) + round_to<T>(x1 * ps[i + half]);
-        }
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          v1[i] = from_float<T>(pa[i]);
-          v2[i] = from_float<T>(pb[i]);
-        }
-      }
-    }
+    std::vector<float> c(D), s(D), a(D / 2), b(D / 2);
+    for (int64_t t = begin; t < end; ++t)
+      rope_token<T>(x + t * row_stride, cos + t * D, sin + t * D, H, D, c.data(), s.data(), a.data(), b.data());
   });
 }
 

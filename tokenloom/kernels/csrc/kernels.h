@@ -5,6 +5,7 @@
 #include <torch/types.h>  // not torch/extension.h (pybind11, torch::nn): ~3x the compile time per file
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 #include <tuple>
@@ -66,6 +67,30 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                         const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                         int64_t sliding_window, double softcap);
+struct PiecePlan;  // paged_decode.cpp: how a step's (sequence, KV head) items are cut between threads
+// paged_decode's bfloat16 route (AVX512-BF16, head size 64, 128 or 256) for a caller that owns its threads:
+// the pieces are planned once from the step's block tables and lengths, which every layer shares, and each
+// layer runs them on its own cache: every thread run(r) for its runs r (distinct runs write disjoint outputs
+// and partials), then, once all have finished, one thread combine()s the pieces of the items split between
+// threads. paged_decode runs its bfloat16 route through this class: the same values.
+class DecodeAttention {
+ public:
+  static bool supports(int64_t head_dim);
+  // block_tables (B, max_blocks) and seq_lens (B,) int64, held for the object's life.
+  DecodeAttention(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t Hq, int64_t Hkv, int64_t D,
+                  int64_t block_size, int64_t sliding_window);
+  int64_t runs() const;
+  // q: row b (Hq heads of D, dense) at q + b * q_stride; caches (num_blocks, block_size, Hkv, D); out (B, Hq, D).
+  void run(int64_t r, const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k_cache,
+           const c10::BFloat16* v_cache, c10::BFloat16* out, double scale, double softcap);
+  void combine(c10::BFloat16* out) const;
+
+ private:
+  at::Tensor bt_, lens_;
+  int64_t Hq_, Hkv_, D_, block_size_, window_;
+  std::shared_ptr<const PiecePlan> plan_;
+  std::vector<float> partials_;  // (parts, G * (D + 2)): split items' pieces (combine_partials)
+};
 // paged_prefill.cpp
 void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
@@ -90,6 +115,10 @@ std::tuple<at::Tensor, at::Tensor> write_kv_int8(const at::Tensor& k, const at::
 // skinny_gemm.cpp
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 bool skinny_available();
+// Weight rows [n0, n1) of skinny_linear's y (M, N) = x (M, K) @ w (N, K).T (+ bias), on the calling thread: for a
+// caller that splits the rows between threads it runs itself (every output is computed alike for any split).
+void skinny_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y, int64_t M,
+                 int64_t N, int64_t K, int64_t n0, int64_t n1);
 // Rows up to which skinny_linear serves a dense layer that has a prepacked copy too (1..kSkinnyMaxRows).
 int64_t skinny_packed_max_rows();
 void set_skinny_packed_max_rows(int64_t rows);

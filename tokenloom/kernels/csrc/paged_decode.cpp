@@ -434,54 +434,38 @@ static inline void attend_group_bf16(int64_t G, const c10::BFloat16* qg, const c
   }
 }
 
-// bfloat16 q and cache, D = kD a multiple of 32: each (sequence, kv head) reads its K/V rows in place,
-// once for all the G query heads that share them.
+// bfloat16 q and cache, D = kD a multiple of 32: one thread's run of pieces, each (sequence, kv head) reading
+// its K/V rows in place, once for all the G query heads that share them. q: row b at qp + b * q_stride (heads
+// dense within it); out (B, Hq, D); a split item's piece writes its partial slot instead.
 template <int64_t kD>
-static void paged_decode_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                              const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
-                              double scale, int64_t sliding_window, double softcap) {
-  const int64_t B = q.size(0), Hq = q.size(1), block_size = k_cache.size(1), Hkv = k_cache.size(2);
-  const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
-  const int64_t token_stride = Hkv * kD;
-  const auto* qp = q.data_ptr<c10::BFloat16>();
-  const auto* kp = k_cache.data_ptr<c10::BFloat16>();
-  const auto* vp = v_cache.data_ptr<c10::BFloat16>();
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  auto* op = out.data_ptr<c10::BFloat16>();
-  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
-
-  const PiecePlan plan = plan_pieces(lens, B, Hkv, sliding_window, /*split=*/true);
-  std::vector<float> partials(plan.parts * G * (kD + 2));
-  at::parallel_for(0, static_cast<int64_t>(plan.runs.size()), 1, [&](int64_t p0, int64_t p1) {
-    // The slots of the piece's sequence and of the next piece's (the same sequence's next KV head or part,
-    // or the next sequence's first), so that its K rows are requested while this piece's V rows are read.
-    std::vector<int64_t> slots, next_slots;
-    std::vector<const c10::BFloat16*> rows;
-    std::vector<float> scores;
-    for (int64_t p = p0; p < p1; ++p) {
-      const std::vector<Piece>& run = plan.runs[p];
-      for (size_t j = 0; j < run.size(); ++j) {
-        const Piece& pc = run[j];
-        const int64_t b = pc.item / Hkv, h = pc.item % Hkv;
-        if (j == 0) context_slots(bt, max_blocks, block_size, b, lens[b], sliding_window, slots);
-        else if (run[j - 1].item / Hkv != b) std::swap(slots, next_slots);  // next_slots held b's
-        const Piece* next = j + 1 < run.size() ? &run[j + 1] : nullptr;
-        if (next != nullptr && next->item / Hkv != b)
-          context_slots(bt, max_blocks, block_size, next->item / Hkv, lens[next->item / Hkv], sliding_window, next_slots);
-        const std::vector<int64_t>& ns = next == nullptr || next->item / Hkv == b ? slots : next_slots;
-        const int64_t n = pc.t1 - pc.t0, nh = next == nullptr ? 0 : next->item % Hkv;
-        const int64_t nn = next == nullptr ? 0 : next->t1 - next->t0;
-        scores.resize(G * n);
-        const int64_t total = row_table(kp + h * kD, vp + h * kD, slots.data() + pc.t0, n, token_stride, kp + nh * kD,
-                                        nn == 0 ? nullptr : ns.data() + next->t0, nn, rows);
-        attend_group_bf16<kD, false>(G, qp + (b * Hq + h * G) * kD, rows.data(), total, nullptr, nullptr, n, fscale,
-                                     cap, scores.data(), op + (b * Hq + h * G) * kD,
-                                     pc.part < 0 ? nullptr : partials.data() + pc.part * G * (kD + 2));
-      }
-    }
-  });
-  combine_partials(plan, Hkv, G, kD, partials.data(), op);
+static void run_pieces_bf16(const std::vector<Piece>& run, const c10::BFloat16* qp, int64_t q_stride,
+                            const c10::BFloat16* kp, const c10::BFloat16* vp, const int64_t* bt, int64_t max_blocks,
+                            const int64_t* lens, int64_t block_size, int64_t Hq, int64_t Hkv, int64_t sliding_window,
+                            float fscale, float cap, float* partials, c10::BFloat16* op) {
+  const int64_t G = Hq / Hkv, token_stride = Hkv * kD;
+  // The slots of the piece's sequence and of the next piece's (the same sequence's next KV head or part,
+  // or the next sequence's first), so that its K rows are requested while this piece's V rows are read.
+  std::vector<int64_t> slots, next_slots;
+  std::vector<const c10::BFloat16*> rows;
+  std::vector<float> scores;
+  for (size_t j = 0; j < run.size(); ++j) {
+    const Piece& pc = run[j];
+    const int64_t b = pc.item / Hkv, h = pc.item % Hkv;
+    if (j == 0) context_slots(bt, max_blocks, block_size, b, lens[b], sliding_window, slots);
+    else if (run[j - 1].item / Hkv != b) std::swap(slots, next_slots);  // next_slots held b's
+    const Piece* next = j + 1 < run.size() ? &run[j + 1] : nullptr;
+    if (next != nullptr && next->item / Hkv != b)
+      context_slots(bt, max_blocks, block_size, next->item / Hkv, lens[next->item / Hkv], sliding_window, next_slots);
+    const std::vector<int64_t>& ns = next == nullptr || next->item / Hkv == b ? slots : next_slots;
+    const int64_t n = pc.t1 - pc.t0, nh = next == nullptr ? 0 : next->item % Hkv;
+    const int64_t nn = next == nullptr ? 0 : next->t1 - next->t0;
+    scores.resize(G * n);
+    const int64_t total = row_table(kp + h * kD, vp + h * kD, slots.data() + pc.t0, n, token_stride, kp + nh * kD,
+                                    nn == 0 ? nullptr : ns.data() + next->t0, nn, rows);
+    attend_group_bf16<kD, false>(G, qp + b * q_stride + h * G * kD, rows.data(), total, nullptr, nullptr, n, fscale,
+                                 cap, scores.data(), op + (b * Hq + h * G) * kD,
+                                 pc.part < 0 ? nullptr : partials + pc.part * G * (kD + 2));
+  }
 }
 
 // INT8 codes, D = kD a multiple of 32. Per (sequence, kv head): the context's K and V codes are widened
@@ -612,6 +596,61 @@ static void paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache, co
 }
 #endif  // TOKENLOOM_PAGED_BF16
 
+bool DecodeAttention::supports(int64_t head_dim) {
+#ifdef TOKENLOOM_PAGED_BF16
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
+#else
+  return false;
+#endif
+}
+
+DecodeAttention::DecodeAttention(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t Hq, int64_t Hkv,
+                                 int64_t D, int64_t block_size, int64_t sliding_window)
+    : bt_(block_tables.contiguous()), lens_(seq_lens.contiguous()), Hq_(Hq), Hkv_(Hkv), D_(D),
+      block_size_(block_size), window_(sliding_window) {
+  TORCH_CHECK(supports(D), "DecodeAttention: head size ", D, " has no bfloat16 kernel in this build");
+  TORCH_CHECK(bt_.scalar_type() == at::kLong && lens_.scalar_type() == at::kLong && bt_.dim() == 2 &&
+                  lens_.dim() == 1 && bt_.size(0) == lens_.size(0),
+              "DecodeAttention: int64 (B, max_blocks) block tables and (B,) lengths");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "DecodeAttention: query heads not a multiple of kv heads");
+#ifdef TOKENLOOM_PAGED_BF16
+  plan_ = std::make_shared<const PiecePlan>(plan_pieces(lens_.data_ptr<int64_t>(), lens_.size(0), Hkv, window_,
+                                                        /*split=*/true));
+  partials_.resize(plan_->parts * (Hq / Hkv) * (D + 2));
+#endif
+}
+
+int64_t DecodeAttention::runs() const {
+#ifdef TOKENLOOM_PAGED_BF16
+  return static_cast<int64_t>(plan_->runs.size());
+#else
+  return 0;
+#endif
+}
+
+void DecodeAttention::run(int64_t r, const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k_cache,
+                          const c10::BFloat16* v_cache, c10::BFloat16* out, double scale, double softcap) {
+#ifdef TOKENLOOM_PAGED_BF16
+  const std::vector<Piece>& pieces = plan_->runs[r];
+  auto go = [&]<int64_t kD>() {
+    run_pieces_bf16<kD>(pieces, q, q_stride, k_cache, v_cache, bt_.data_ptr<int64_t>(), bt_.size(1),
+                        lens_.data_ptr<int64_t>(), block_size_, Hq_, Hkv_, window_, static_cast<float>(scale),
+                        static_cast<float>(softcap), partials_.data(), out);
+  };
+  switch (D_) {
+    case 64: go.template operator()<64>(); break;
+    case 128: go.template operator()<128>(); break;
+    default: go.template operator()<256>(); break;
+  }
+#endif
+}
+
+void DecodeAttention::combine(c10::BFloat16* out) const {
+#ifdef TOKENLOOM_PAGED_BF16
+  combine_partials(*plan_, Hkv_, Hq_ / Hkv_, D_, partials_.data(), out);
+#endif
+}
+
 template <typename scalar_t, typename cache_t>
 static void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Half* ks, const at::Half* vs, int64_t ss, const at::Tensor& bt,
@@ -651,16 +690,18 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   at::Tensor out = at::empty_like(q);
   const at::Half* ks = int8 ? k_scale->data_ptr<at::Half>() : nullptr;
   const at::Half* vs = int8 ? v_scale->data_ptr<at::Half>() : nullptr;
-#ifdef TOKENLOOM_PAGED_BF16
-  if (!int8 && q.scalar_type() == at::kBFloat16) {
-    switch (q.size(2)) {
-      case 64: paged_decode_bf16<64>(q, k_cache, v_cache, bt, lens, out, scale, sliding_window, softcap); return out;
-      case 128: paged_decode_bf16<128>(q, k_cache, v_cache, bt, lens, out, scale, sliding_window, softcap); return out;
-      case 256: paged_decode_bf16<256>(q, k_cache, v_cache, bt, lens, out, scale, sliding_window, softcap); return out;
-      default: break;  // other head sizes: the portable kernel
-    }
+  if (!int8 && q.scalar_type() == at::kBFloat16 && DecodeAttention::supports(q.size(2))) {
+    DecodeAttention attn(bt, lens, q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), sliding_window);
+    const auto* qp = q.data_ptr<c10::BFloat16>();
+    const auto* kp = k_cache.data_ptr<c10::BFloat16>();
+    const auto* vp = v_cache.data_ptr<c10::BFloat16>();
+    auto* op = out.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, attn.runs(), 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) attn.run(r, qp, q.size(1) * q.size(2), kp, vp, op, scale, softcap);
+    });
+    attn.combine(op);
+    return out;
   }
-#endif
   const int64_t ss = per_head ? 0 : k_cache.size(2);  // scale of token slot s, head h: [s * ss + h]
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
 #ifdef TOKENLOOM_PAGED_BF16

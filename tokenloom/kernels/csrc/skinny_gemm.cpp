@@ -32,7 +32,8 @@ namespace {
 // sum's additions do not depend on the other three: every output gets the same arithmetic in either order,
 // for every M, block and thread split.
 // - M <= 2: the block's rows one after another, x reloaded for each (cheap at 1-2 rows), so the weights
-//   stream sequentially, as the hardware prefetcher likes best.
+//   stream sequentially, as the hardware prefetcher likes best, and a software prefetch kSequentialPrefetchBytes
+//   ahead keeps more of the stream in flight than it does.
 // - M >= 3: the block's rows side by side, each slice of x loaded once into registers for all of them;
 //   reloading x for every weight row made the kernel compute-bound from 3-4 rows on. Reading NB rows at
 //   once defeats the hardware prefetcher, so the kernel prefetches the memory ahead itself, in order.
@@ -45,6 +46,11 @@ template <int M>
 constexpr int kRowsPerBlock = M <= 6 ? 4 : M == 7 ? 3 : 2;
 // The interleaved blocks prefetch the memory this many weight rows ahead of the block (at least one block).
 constexpr int kPrefetchRows = 4;
+// The sequential order (1-2 rows) requests each line this many bytes ahead of its load, into L1. The hardware
+// prefetcher alone left a one-row decode step of SmolLM2-135M's 30 layers at 5.0-5.6 ms (~40 GB/s); 8 KiB
+// ahead took it to 4.1-4.3 ms and its LM head from 1.0-1.2 to 0.71-0.78 ms; 2 and 4 KiB did less, 6 KiB about
+// as much, 12-16 KiB and prefetcht1 (into L2) at 8-64 KiB less (docs/performance-notes.md#few-row-matmul).
+constexpr int64_t kSequentialPrefetchBytes = 8192;
 
 // Four float32 -> bfloat16, rounded to nearest even as from_float (dtype.h) does; NaN -> 0x7FC0.
 inline __m128i to_bf16x4(__m128 v) {
@@ -75,6 +81,9 @@ inline void dot_block(const c10::BFloat16* x, const c10::BFloat16* w, const c10:
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
   if constexpr (kSequential<M>) {
     auto row_slice = [&]<bool kTail>(int j, int64_t k) {
+      // An address, not a pointer: past the last rows it lies outside w, where a prefetch is harmless.
+      _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(wr[j] + k) + kSequentialPrefetchBytes),
+                   _MM_HINT_T0);
       const __m512bh wv = load_bf16x32<kTail>(wr[j] + k, tail);
       for (int m = 0; m < M; ++m) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], load_bf16x32<kTail>(x + m * K + k, tail), wv);
     };
@@ -117,29 +126,34 @@ inline void dot_block(const c10::BFloat16* x, const c10::BFloat16* w, const c10:
 }
 #endif
 
+// Weight rows [n0, n1) of the product: the part of it one thread computes.
+template <int M>
+void skinny_block_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y,
+                       int64_t N, int64_t K, int64_t n0, int64_t n1) {
+#ifdef TOKENLOOM_DPBF16
+  constexpr int NB = kRowsPerBlock<M>;
+  for (int64_t n = n0; n < n1; n += NB)
+    dot_block<M>(x, w, bias, y, n, static_cast<int>(std::min<int64_t>(NB, n1 - n)), N, K);
+#else
+  for (int64_t n = n0; n < n1; ++n) {
+    const c10::BFloat16* wr = w + n * K;
+    for (int m = 0; m < M; ++m) {
+      const c10::BFloat16* xr = x + m * K;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t j = 0; j < K; ++j) s += to_float(xr[j]) * to_float(wr[j]);
+      y[m * N + n] = from_float<c10::BFloat16>(s + (bias != nullptr ? to_float(bias[n]) : 0.f));
+    }
+  }
+#endif
+}
+
 template <int M>
 void skinny_kernel(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y,
                    int64_t N, int64_t K) {
   // Chunks of at least ~256 KiB of weights: smaller jobs stay on the calling thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (K * 2));
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-#ifdef TOKENLOOM_DPBF16
-    constexpr int NB = kRowsPerBlock<M>;
-    for (int64_t n = begin; n < end; n += NB)
-      dot_block<M>(x, w, bias, y, n, static_cast<int>(std::min<int64_t>(NB, end - n)), N, K);
-#else
-    for (int64_t n = begin; n < end; ++n) {
-      const c10::BFloat16* wr = w + n * K;
-      for (int m = 0; m < M; ++m) {
-        const c10::BFloat16* xr = x + m * K;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t j = 0; j < K; ++j) s += to_float(xr[j]) * to_float(wr[j]);
-        y[m * N + n] = from_float<c10::BFloat16>(s + (bias != nullptr ? to_float(bias[n]) : 0.f));
-      }
-    }
-#endif
-  });
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) { skinny_block_rows<M>(x, w, bias, y, N, K, begin, end); });
 }
 
 }  // namespace
@@ -161,6 +175,11 @@ bool skinny_available() {
 #else
   return false;
 #endif
+}
+
+void skinny_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* y, int64_t M,
+                 int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  with_rows(M, [&]<int R>() { skinny_block_rows<R>(x, w, bias, y, N, K, n0, n1); });
 }
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {

@@ -70,6 +70,11 @@ struct FusedLinear {
     return f;
   }
 
+  // Whether operator() serves m rows by skinny_linear (a dense bfloat16 layer at few enough rows).
+  bool skinny(int64_t m) const {
+    return bits == 16 && m >= 1 && m <= (packed.has_value() ? skinny_packed_max_rows() : kSkinnyMaxRows);
+  }
+
   at::Tensor operator()(const at::Tensor& x) const {
     if (bits == kParts) {
       std::vector<at::Tensor> outs;
@@ -82,7 +87,7 @@ struct FusedLinear {
     // The choice Linear.forward makes: skinny up to skinny_packed_max_rows() rows where there is a packed
     // copy (measured per CPU), up to kSkinnyMaxRows where there is none; packed up to kPackedMaxRows.
     const int64_t m = x.size(0);
-    if (m <= (packed.has_value() ? skinny_packed_max_rows() : kSkinnyMaxRows)) return skinny_linear(x, weight, bias);
+    if (skinny(m)) return skinny_linear(x, weight, bias);
     if (packed.has_value() && m <= kPackedMaxRows) return packed_linear(x, *packed, bias);
     return at::linear(x, weight, bias);  // oneDNN for many rows, as F.linear in Linear.forward
   }
