@@ -113,14 +113,20 @@ class DecodeStack {
                     cos_t.scalar_type() == at::kBFloat16 && sin_t.sizes() == cos_t.sizes(),
                 "DecodeStack.forward: cos/sin must be contiguous (B, head_dim) bfloat16");
     TORCH_CHECK(slots_t.scalar_type() == at::kLong && slots_t.numel() == B, "DecodeStack.forward: (B,) int64 slots");
-    for (const FusedLayer& L : layers_)
+    for (const FusedLayer& L : layers_) {
+      for (const FusedLinear* f : {&L.qkv, &L.o, &L.gate_up, &L.down})
+        TORCH_CHECK(!f->bias.has_value() || (f->bias->scalar_type() == at::kBFloat16 && f->bias->is_contiguous() &&
+                                             f->bias->numel() == f->weight.size(0)),
+                    "DecodeStack.forward: a bias must be a contiguous (N,) bfloat16 vector");
       TORCH_CHECK(L.qkv.weight.size(0) == n_qkv && L.qkv.weight.size(1) == H && L.o.weight.size(0) == H &&
+                      L.o.weight.size(1) == q_size &&
                       L.gate_up.weight.size(0) == 2 * I && L.gate_up.weight.size(1) == H &&
                       L.down.weight.size(0) == H && L.down.weight.size(1) == I && L.k_cache.is_contiguous() &&
                       L.v_cache.is_contiguous() && L.input_norm.scalar_type() == at::kBFloat16 &&
                       L.post_norm.scalar_type() == at::kBFloat16 && L.input_norm.is_contiguous() &&
                       L.post_norm.is_contiguous(),
                   "DecodeStack.forward: a layer's shapes differ from the first's");
+    }
     const at::Tensor xc = x0.contiguous(), slots_c = slots_t.contiguous();
     const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
     DecodeAttention attn(block_tables, seq_lens, Hq, Hkv, D, layers_[0].k_cache.size(1), sliding_window_);
@@ -143,7 +149,7 @@ class DecodeStack {
 #pragma omp parallel num_threads(threads)
     {
       const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-      std::vector<float> scratch(std::max<int64_t>({H, I, 2 * D}));
+      std::vector<float> scratch(std::max<int64_t>({H, I, 3 * D}));  // a norm's H, SiLU's I, RoPE's 3 D
       bf16* h = hsp + t * B * H;
       bf16* act = actp + t * B * I;
       // Output rows [n0, n1) of an N-row matmul for this thread: equal shares in whole cache lines of y.
