@@ -180,10 +180,11 @@ def test_int8_kv_cache_still_answers(smollm2_gguf: Path, scales: str) -> None:
     Checked: greedy answers to questions whose first 8 tokens each lead the runner-up by >= 0.5 nats
     in bf16 are identical for 8 tokens; for "What is the capital of France?", whose first token is a
     near-tie in the model itself (bf16: "The" -1.78 / -1.81, "L" -1.90 / -2.06 on two CPUs, and either
-    INT8 cache's noise may flip it), the top 3 first tokens are the same and each moves by at most 0.75
-    nats. The logits come out of bfloat16 matmuls, in steps of 0.125 near their size here, so a move is a
-    whole number of steps: up to 0.5 (4 steps) measured, on a CPU with AMX, and 0.75 leaves two steps of
-    margin where matmul rounding differs."""
+    INT8 cache's noise may flip it), each cache's first token is among the other's top 2, and each of the
+    bf16 cache's top 3 is among the INT8 cache's top 5 and moves by at most 0.75 nats. The logits come out
+    of bfloat16 matmuls, in steps of 0.125 near their size here, so a move is a whole number of steps: up
+    to 0.5 (4 steps) measured, on a CPU with AMX, and 0.75 leaves two steps of margin where matmul rounding
+    differs."""
     kw = dict(kv_cache_memory="256MiB", max_model_len=1024)
     sp = SamplingParams(temperature=0, max_tokens=8, logprobs=3)
     bf = LLM(str(smollm2_gguf), **kw)
@@ -196,9 +197,14 @@ def test_int8_kv_cache_still_answers(smollm2_gguf: Path, scales: str) -> None:
         assert min(leads) >= 0.5, (question, leads)  # the premise: a sure answer
         assert q.chat(msgs, sp)[0].outputs[0].token_ids == want.token_ids, question
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    want_top, got_top = (llm.chat(msgs, sp)[0].outputs[0].logprobs[0].top for llm in (bf, q))
-    assert want_top.keys() == got_top.keys()
-    assert all(abs(got_top[t] - want_top[t]) <= 0.75 for t in want_top)
+    sp5 = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    want_top, got_top = (llm.chat(msgs, sp5)[0].outputs[0].logprobs[0].top for llm in (bf, q))
+    ranked = [sorted(top, key=lambda t: -top[t]) for top in (want_top, got_top)]
+    assert ranked[0][0] in ranked[1][:2] and ranked[1][0] in ranked[0][:2]  # the leaders, up to the near-tie
+    # The second and third candidates ("L", "La") sit 0.25 nats apart and the third 0.25-0.5 above the fourth
+    # and fifth ("Le", "Al"; bf16 and both INT8 caches, 2026-12-08, Zen 4): a cache whose noise moves one by
+    # two steps reorders them, so each of the bf16 cache's top 3 is looked for among the INT8 cache's top 5.
+    assert all(t in got_top and abs(got_top[t] - want_top[t]) <= 0.75 for t in ranked[0][:3])
 
 
 # -- pinned outputs ------------------------------------------------------------------------------------
