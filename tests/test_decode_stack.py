@@ -44,15 +44,9 @@ def _llm(folder: Path, fused: bool, **kw: Any) -> LLM:
                fused_decode=fused, **kw)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_fused_decode_equals_the_python_model(tmp_path: Path, case: str) -> None:
-    model_kw, engine_kw = CASES[case]
-    folder = make_tiny_model(tmp_path / "m", seed=3, **model_kw)
-    fused, plain = _llm(folder, True, **engine_kw), _llm(folder, False, **engine_kw)
-    runner = fused.engine.runner
-    assert runner.fused is not None and plain.engine.runner.fused is None
-    # Every step the stack serves is also run through the Python model: the hidden states must be
-    # equal bit for bit (writing the same K/V to the same slots twice changes nothing).
+def _check_every_step(runner: Any) -> list[tuple[int, bool]]:
+    """Run every step the stack serves through the Python model too; the list gets (rows, hidden states equal
+    bit for bit) per step (writing the same K/V to the same slots twice changes nothing)."""
     inner = runner.fused.forward
     served: list[tuple[int, bool]] = []
 
@@ -62,7 +56,18 @@ def test_fused_decode_equals_the_python_model(tmp_path: Path, case: str) -> None
         served.append((input_ids.numel(), torch.equal(got, want)))
         return got
 
-    runner.fused.forward = checked  # type: ignore[method-assign]
+    runner.fused.forward = checked
+    return served
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_decode_equals_the_python_model(tmp_path: Path, case: str) -> None:
+    model_kw, engine_kw = CASES[case]
+    folder = make_tiny_model(tmp_path / "m", seed=3, **model_kw)
+    fused, plain = _llm(folder, True, **engine_kw), _llm(folder, False, **engine_kw)
+    runner = fused.engine.runner
+    assert runner.fused is not None and plain.engine.runner.fused is None
+    served = _check_every_step(runner)
     params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=3)
     got, want = fused.generate(PROMPTS, params), plain.generate(PROMPTS, params)
     assert served and all(same for _, same in served)
@@ -133,16 +138,7 @@ def test_threaded_step_equals_the_python_model(tmp_path: Path, arch: str, window
         runner = llm.engine.runner
         stack = runner.fused.stack
         assert [stack.threaded(b) for b in (1, 8, 9)] == [True, True, False]
-        inner = runner.fused.forward
-        served: list[tuple[int, bool]] = []
-
-        def checked(input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-            got = inner(input_ids, positions, meta)
-            want = runner.model(input_ids, positions, runner.kv_caches, meta)
-            served.append((input_ids.numel(), torch.equal(got, want)))
-            return got
-
-        runner.fused.forward = checked  # type: ignore[method-assign]
+        served = _check_every_step(runner)
         prompts = [[3 + i % 300 for i in range(n)] for n in (150, 90, 230)]
         params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2, temperature=0.0)
         got = llm.generate(prompts, params) + llm.generate(prompts[2:], params)  # three rows, then one
