@@ -76,7 +76,12 @@ def test_health_waits_for_warm_up_and_then_requests_are_served(tiny_llama: Path,
         assert r.status_code == 200, r.text
         assert r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
                                      "prompt_tokens_details": {"cached_tokens": 0}}
-        # The app's warm-up request left no access-log line: this request's is the only one.
+        # The app's warm-up request left no access-log line: this request's is the only one. The server writes it
+        # once the response has gone out (serve/app.py AuthAndLog, in a `finally`), which can be after the
+        # client has read the body: wait for it to reach the file.
+        deadline = time.monotonic() + 10
+        while '"path": "/v1/completions"' not in log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert log_path.read_text().count('"path": "/v1/completions"') == 1, log_path.read_text()[-2000:]
         # Warm-up's counters were reset: the metrics count this one request's prompt, not warm-up's.
         metrics = samples(httpx.get(f"{url}/metrics", timeout=10).text)
